@@ -1,0 +1,35 @@
+"""tfmemsafe: train large Keras 3 / TensorFlow networks without OOM crashes.
+
+Importing it turns on GPU memory growth and picks the dtype policy (see
+`tfmemsafe.configure`); set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
+"""
+
+from tfmemsafe import testing
+from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.memory import MemoryInfo
+from tfmemsafe.memory import default_devices
+from tfmemsafe.memory import is_oom_error
+from tfmemsafe.memory import memory_info
+from tfmemsafe.memory import reset_peak_memory
+from tfmemsafe.runtime import RuntimeConfig
+from tfmemsafe.runtime import configure
+from tfmemsafe.runtime import runtime_config
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MemoryInfo",
+    "OutOfMemoryError",
+    "RuntimeConfig",
+    "configure",
+    "default_devices",
+    "is_oom_error",
+    "memory_info",
+    "reset_peak_memory",
+    "runtime_config",
+    "testing",
+]
+
+from tfmemsafe import runtime as _runtime  # noqa: E402
+
+_runtime.configure_from_environment()

@@ -1,0 +1,275 @@
+"""Device memory: what is in use, the peak, the limit, and OOM detection."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import tensorflow as tf
+
+_MB = 1024 * 1024
+
+# Text that identifies an allocation failure in errors that are not
+# `ResourceExhaustedError` (XLA reports them as Internal or Unknown errors).
+_OOM_MARKERS = (
+    "RESOURCE_EXHAUSTED",
+    "OOM when allocating",
+    "Out of memory while trying to allocate",
+)
+_DST_TENSOR_MARKER = "Dst tensor is not initialized"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryInfo:
+    """A reading of one device's memory.
+
+    Attributes:
+        device: The device name, e.g. `"GPU:0"` or `"CPU:0"`.
+        current_bytes: Bytes in use by TensorFlow now, or `None` if unknown.
+        peak_bytes: The most bytes in use since the last
+            `reset_peak_memory`, or `None` if unknown.
+        limit_bytes: The memory the device can give TensorFlow, or `None`
+            if unknown.
+        reason: Why a field is `None`, or `None` when all are known.
+    """
+
+    device: str
+    current_bytes: int | None
+    peak_bytes: int | None
+    limit_bytes: int | None
+    reason: str | None = None
+
+    @property
+    def current_mb(self) -> float | None:
+        return _to_mb(self.current_bytes)
+
+    @property
+    def peak_mb(self) -> float | None:
+        return _to_mb(self.peak_bytes)
+
+    @property
+    def limit_mb(self) -> float | None:
+        return _to_mb(self.limit_bytes)
+
+
+def _to_mb(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else num_bytes / _MB
+
+
+def device_name(device) -> str:
+    """Returns the short name (`"GPU:0"`) of a device.
+
+    Accepts a short name, a full name such as
+    `"/job:worker/replica:0/task:1/device:GPU:0"`, or a
+    `tf.config.LogicalDevice` / `tf.config.PhysicalDevice`.
+    """
+    if isinstance(device, (tf.config.LogicalDevice, tf.config.PhysicalDevice)):
+        device = device.name
+    if not isinstance(device, str):
+        raise TypeError(
+            "`device` must be a device name such as 'GPU:0' or a "
+            f"tf.config.LogicalDevice. Received: device={device!r} "
+            f"of type {type(device).__name__}"
+        )
+    name = device.rsplit("device:", 1)[-1].lstrip("/")
+    kind, _, index = name.rpartition(":")
+    if not kind or not index.isdigit():
+        raise ValueError(
+            "`device` must name a device such as 'GPU:0' or 'CPU:0'. "
+            f"Received: device={device!r}"
+        )
+    return f"{kind.upper()}:{index}"
+
+
+def default_devices() -> list[str]:
+    """Returns the devices whose memory matters for training here.
+
+    Under a `tf.distribute` strategy scope: the strategy's local replica
+    devices. Otherwise every logical GPU, or `["CPU:0"]` when there is none.
+
+    Example:
+    >>> tfmemsafe.default_devices()
+    ['CPU:0']
+    """
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        names = [device_name(d) for d in strategy.extended.worker_devices]
+        return list(dict.fromkeys(names))
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return [device_name(gpu) for gpu in gpus]
+    return ["CPU:0"]
+
+
+def memory_info(device=None) -> MemoryInfo:
+    """Reads a device's current, peak and total memory.
+
+    Current and peak come from `tf.config.experimental.get_memory_info`.
+    The limit is, on a GPU, a logical device's `memory_limit` when one was
+    configured, else the card's total memory read with NVML (install
+    `nvidia-ml-py`); on the CPU, `TF_CPU_BFC_MEM_LIMIT_IN_MB` when
+    `TF_CPU_ALLOCATOR_USE_BFC=true`, else the machine's (or container's)
+    memory. This never raises because statistics are unavailable: the
+    unknown fields are `None` and `reason` says why.
+
+    Args:
+        device: str or `tf.config.LogicalDevice`. The device to read.
+            Defaults to `None`, the first of `default_devices()`.
+
+    Returns:
+        A `MemoryInfo`.
+
+    Example:
+    >>> x = tf.ones((1024, 1024))
+    >>> tfmemsafe.memory_info("CPU:0").current_bytes >= 4 * 1024 * 1024
+    True
+    """
+    name = device_name(device) if device is not None else default_devices()[0]
+    reasons = []
+    current = peak = None
+    try:
+        stats = tf.config.experimental.get_memory_info(name)
+        current, peak = int(stats["current"]), int(stats["peak"])
+    except (ValueError, tf.errors.OpError) as err:
+        reasons.append(f"get_memory_info({name!r}) failed: {err}")
+    limit, limit_reason = _limit_bytes(name)
+    if limit_reason:
+        reasons.append(limit_reason)
+    return MemoryInfo(name, current, peak, limit, "; ".join(reasons) or None)
+
+
+def reset_peak_memory(device=None) -> bool:
+    """Resets a device's peak memory to its current use.
+
+    Args:
+        device: str or `tf.config.LogicalDevice`. Defaults to `None`, the
+            first of `default_devices()`.
+
+    Returns:
+        `True` if the peak was reset, `False` if the device keeps no
+        statistics.
+    """
+    name = device_name(device) if device is not None else default_devices()[0]
+    try:
+        tf.config.experimental.reset_memory_stats(name)
+    except (ValueError, tf.errors.OpError):
+        return False
+    return True
+
+
+def is_oom_error(exc: BaseException | None) -> bool:
+    """Tells whether an exception is (or was caused by) an out-of-memory.
+
+    True for `tf.errors.ResourceExhaustedError`, for the `InternalError`
+    "Dst tensor is not initialized" (a failed host-to-device copy), and for
+    XLA's "RESOURCE_EXHAUSTED" / "Out of memory" failures. The
+    `__cause__` and `__context__` chains are followed, because Keras and
+    user code often re-raise errors wrapped in others.
+
+    Args:
+        exc: The exception to classify.
+
+    Returns:
+        `True` if it is an out-of-memory error.
+
+    Example:
+    >>> tfmemsafe.is_oom_error(tf.errors.ResourceExhaustedError(None, None, "OOM"))
+    True
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _is_oom_itself(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _is_oom_itself(exc: BaseException) -> bool:
+    if isinstance(exc, tf.errors.ResourceExhaustedError):
+        return True
+    message = str(exc)
+    if (
+        isinstance(exc, tf.errors.InternalError)
+        and _DST_TENSOR_MARKER in message
+    ):
+        return True
+    if isinstance(exc, (tf.errors.OpError, RuntimeError)):
+        return any(marker in message for marker in _OOM_MARKERS)
+    return False
+
+
+def _limit_bytes(name: str) -> tuple[int | None, str | None]:
+    kind, index = name.split(":")
+    if kind == "CPU":
+        return _cpu_limit_bytes()
+    if kind == "GPU":
+        return _gpu_limit_bytes(int(index))
+    return None, f"no known memory limit for {name}"
+
+
+def _cpu_limit_bytes() -> tuple[int | None, str | None]:
+    use_bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower()
+    cap = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
+    if use_bfc in ("true", "1") and cap.strip().isdigit():
+        return int(cap) * _MB, None
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    limits.extend(_cgroup_limits())
+    if not limits:
+        return None, "the machine's memory size is unknown"
+    return min(limits), None
+
+
+def _cgroup_limits() -> list[int]:
+    limits = []
+    for path in (
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        # "max" or a huge number means no limit.
+        if text.isdigit() and int(text) < 2**60:
+            limits.append(int(text))
+    return limits
+
+
+def _gpu_limit_bytes(index: int) -> tuple[int | None, str | None]:
+    physical = tf.config.list_physical_devices("GPU")
+    if index < len(physical):
+        try:
+            logical = tf.config.get_logical_device_configuration(
+                physical[index]
+            )
+        except (ValueError, RuntimeError):
+            logical = None
+        if logical and logical[0].memory_limit:
+            return int(logical[0].memory_limit) * _MB, None
+    try:
+        import pynvml
+    except ImportError:
+        return None, (
+            "the GPU's total memory needs NVML: pip install nvidia-ml-py"
+        )
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(index))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), None
+    except pynvml.NVMLError as err:
+        return None, f"NVML could not read GPU:{index}: {err}"
+
+
+def _nvml_index(index: int) -> int:
+    # NVML counts every GPU; TensorFlow counts the visible ones.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [part.strip() for part in visible.split(",") if part.strip()]
+    if index < len(ids) and ids[index].isdigit():
+        return int(ids[index])
+    return index
