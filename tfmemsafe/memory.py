@@ -173,7 +173,10 @@ def is_oom_error(exc: BaseException | None) -> bool:
         `True` if it is an out-of-memory error.
 
     Example:
-    >>> tfmemsafe.is_oom_error(tf.errors.ResourceExhaustedError(None, None, "OOM"))
+    >>> error = tf.errors.ResourceExhaustedError(None, None, "OOM")
+    >>> tfmemsafe.is_oom_error(RuntimeError("step failed").with_traceback(None))
+    False
+    >>> tfmemsafe.is_oom_error(error)
     True
     """
     seen = set()
