@@ -174,10 +174,10 @@ def is_oom_error(exc: BaseException | None) -> bool:
 
     Example:
     >>> error = tf.errors.ResourceExhaustedError(None, None, "OOM")
-    >>> tfmemsafe.is_oom_error(RuntimeError("step failed").with_traceback(None))
-    False
     >>> tfmemsafe.is_oom_error(error)
     True
+    >>> tfmemsafe.is_oom_error(ValueError("bad label shape"))
+    False
     """
     seen = set()
     while exc is not None and id(exc) not in seen:
