@@ -101,7 +101,7 @@ def default_devices() -> list[str]:
     return ["CPU:0"]
 
 
-def memory_info(device=None) -> MemoryInfo:
+def memory_info(device=None, *, include_limit: bool = True) -> MemoryInfo:
     """Reads a device's current, peak and total memory.
 
     Current and peak come from `tf.config.experimental.get_memory_info`.
@@ -115,6 +115,10 @@ def memory_info(device=None) -> MemoryInfo:
     Args:
         device: str or `tf.config.LogicalDevice`. The device to read.
             Defaults to `None`, the first of `default_devices()`.
+        include_limit: bool. Whether to look the limit up. The lookup may
+            read files or query NVML, so code that polls every batch reads
+            the limit once and passes `False` afterwards (`limit_bytes` is
+            then `None`). Defaults to `True`.
 
     Returns:
         A `MemoryInfo`.
@@ -132,7 +136,7 @@ def memory_info(device=None) -> MemoryInfo:
         current, peak = int(stats["current"]), int(stats["peak"])
     except (ValueError, tf.errors.OpError) as err:
         reasons.append(f"get_memory_info({name!r}) failed: {err}")
-    limit, limit_reason = _limit_bytes(name)
+    limit, limit_reason = _limit_bytes(name) if include_limit else (None, None)
     if limit_reason:
         reasons.append(limit_reason)
     return MemoryInfo(name, current, peak, limit, "; ".join(reasons) or None)
