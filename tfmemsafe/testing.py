@@ -42,13 +42,15 @@ except BaseException as err:
     cls = type(err)
     result = {"error": {"module": cls.__module__, "name": cls.__name__,
                         "message": str(err)}}
+try:
+    text = json.dumps(result)
+except (TypeError, ValueError) as err:
+    result = {"error": {"module": "builtins", "name": "TypeError",
+                        "message": "the return value is not "
+                        "JSON-serializable: %s" % err}}
+    text = json.dumps(result)
 with open(payload["result_path"], "w") as f:
-    try:
-        json.dump(result, f)
-    except TypeError as err:
-        json.dump({"error": {"module": "builtins", "name": "TypeError",
-                             "message": "the return value is not "
-                             "JSON-serializable: %s" % err}}, f)
+    f.write(text)
 sys.exit(1 if "error" in result else 0)
 """
 
