@@ -32,3 +32,10 @@ class OutOfMemoryError(RuntimeError):
 def format_sizes(sizes: Iterable[int]) -> str:
     """Formats batch sizes as `"256, 128, 64"`."""
     return ", ".join(str(size) for size in sizes)
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A dataset could not be downloaded and no prepared copy was found.
+
+    The download error, if there was one, is chained as `__cause__`.
+    """
