@@ -119,6 +119,23 @@ class RunInSubprocessTest(parameterized.TestCase, tf.test.TestCase):
             output = testing.run_in_subprocess(script, args=["a", 1])
         self.assertEqual(output.strip(), "hello a 1")
 
+    def test_uncaptured_script_streams_and_still_reports_failure(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "exit.py")
+            with open(script, "w") as f:
+                f.write("import sys\nsys.exit(int(sys.argv[1]))\n")
+            self.assertIsNone(
+                testing.run_in_subprocess(
+                    script, args=[0], capture_output=False
+                )
+            )
+            with self.assertRaisesRegex(
+                testing.SubprocessError, r"exited with code 4"
+            ):
+                testing.run_in_subprocess(
+                    script, args=[4], capture_output=False
+                )
+
     def test_failing_script_raises_with_its_error(self):
         with tempfile.TemporaryDirectory() as tmp:
             script = os.path.join(tmp, "fail.py")

@@ -105,6 +105,7 @@ def run_with_memory_cap(
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    capture_output: bool = True,
 ) -> Any:
     """Runs a function or script in a fresh process with a capped CPU heap.
 
@@ -126,6 +127,10 @@ def run_with_memory_cap(
         env: Extra environment variables for the child.
         timeout: float. Seconds before the child (and its children) are
             killed. Defaults to 600.
+        capture_output: bool. `False` lets the child print straight to
+            this process's stdout and stderr as it runs (a script then
+            returns `None`, and errors carry no stderr tail). Defaults to
+            `True`.
 
     Returns:
         The function's return value, or the script's standard output.
@@ -144,7 +149,12 @@ def run_with_memory_cap(
     child_env = dict(memory_cap_environment(cap_mb))
     child_env.update(env or {})
     return run_in_subprocess(
-        target, args=args, kwargs=kwargs, env=child_env, timeout=timeout
+        target,
+        args=args,
+        kwargs=kwargs,
+        env=child_env,
+        timeout=timeout,
+        capture_output=capture_output,
     )
 
 
@@ -155,6 +165,7 @@ def run_in_subprocess(
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    capture_output: bool = True,
 ) -> Any:
     """Runs a function or script in a fresh Python process.
 
@@ -169,7 +180,7 @@ def run_in_subprocess(
     )
     child_env.update(env or {})
     if isinstance(target, str) and target.endswith(".py"):
-        return _run_script(target, args, child_env, timeout)
+        return _run_script(target, args, child_env, timeout, capture_output)
     with tempfile.TemporaryDirectory(prefix="tfmemsafe-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         payload = {
@@ -179,7 +190,9 @@ def run_in_subprocess(
             "result_path": result_path,
         }
         command = [sys.executable, "-c", _BOOTSTRAP, json.dumps(payload)]
-        returncode, stdout, stderr = _communicate(command, child_env, timeout)
+        returncode, stdout, stderr = _communicate(
+            command, child_env, timeout, capture_output
+        )
         try:
             with open(result_path) as f:
                 result = json.load(f)
@@ -221,24 +234,27 @@ def _main_module_name() -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-def _run_script(path, args, env, timeout) -> str:
+def _run_script(path, args, env, timeout, capture_output) -> str | None:
     if not os.path.isfile(path):
         raise ValueError(
             f"`target` script not found. Received: target={path!r}"
         )
     command = [sys.executable, path, *map(str, args)]
-    returncode, stdout, stderr = _communicate(command, env, timeout)
+    returncode, stdout, stderr = _communicate(
+        command, env, timeout, capture_output
+    )
     if returncode != 0:
         raise _failure(path, returncode, stdout, stderr, _parse_error(stderr))
-    return stdout
+    return stdout if capture_output else None
 
 
-def _communicate(command, env, timeout) -> tuple[int, str, str]:
+def _communicate(command, env, timeout, capture) -> tuple[int, str, str]:
+    pipe = subprocess.PIPE if capture else None
     process = subprocess.Popen(
         command,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=pipe,
+        stderr=pipe,
         text=True,
         start_new_session=True,
     )
@@ -247,13 +263,13 @@ def _communicate(command, env, timeout) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         _kill_group(process)
         stdout, stderr = process.communicate()
-        stderr += f"\n[killed: still running after {timeout} s]"
-        return -signal.SIGKILL, stdout, stderr
+        stderr = (stderr or "") + f"\n[killed: still running after {timeout} s]"
+        return -signal.SIGKILL, stdout or "", stderr
     except BaseException:
         # Ctrl-C in the parent: leave no orphans behind.
         _kill_group(process)
         raise
-    return process.returncode, stdout, stderr
+    return process.returncode, stdout or "", stderr or ""
 
 
 def _kill_group(process) -> None:
