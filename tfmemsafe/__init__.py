@@ -5,6 +5,7 @@ Importing it turns on GPU memory growth and picks the dtype policy (see
 """
 
 from tfmemsafe import testing
+from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MemoryInfo",
+    "MemoryMonitor",
     "OutOfMemoryError",
     "RuntimeConfig",
     "configure",
