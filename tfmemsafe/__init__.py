@@ -5,6 +5,12 @@ Importing it turns on GPU memory growth and picks the dtype policy (see
 """
 
 from tfmemsafe import testing
+from tfmemsafe.backbones import InferenceMode
+from tfmemsafe.backbones import UnfreezeSummary
+from tfmemsafe.backbones import build_frozen_mobilenet_v2
+from tfmemsafe.backbones import cache_features
+from tfmemsafe.backbones import fit_head
+from tfmemsafe.backbones import unfreeze
 from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.memory import MemoryInfo
@@ -19,17 +25,23 @@ from tfmemsafe.runtime import runtime_config
 __version__ = "0.1.0"
 
 __all__ = [
+    "InferenceMode",
     "MemoryInfo",
     "MemoryMonitor",
     "OutOfMemoryError",
     "RuntimeConfig",
+    "UnfreezeSummary",
+    "build_frozen_mobilenet_v2",
+    "cache_features",
     "configure",
     "default_devices",
+    "fit_head",
     "is_oom_error",
     "memory_info",
     "reset_peak_memory",
     "runtime_config",
     "testing",
+    "unfreeze",
 ]
 
 from tfmemsafe import runtime as _runtime  # noqa: E402
