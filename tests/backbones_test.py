@@ -498,6 +498,25 @@ class CacheFeaturesTest(parameterized.TestCase, tf.test.TestCase):
         history = tfmemsafe.fit_head(model, on_disk, epochs=2, verbose=0)
         self.assertLen(history.history["loss"], 2)
 
+    def test_failed_caching_leaves_no_file_behind(self):
+        # The second batch has the wrong image size, so the backbone fails
+        # after the first batch was written.
+        batches = [_images(2), _images(2, size=24)]
+        dataset = tf.data.Dataset.from_generator(
+            lambda: iter(batches),
+            output_signature=tf.TensorSpec((None, None, None, 3), tf.uint8),
+        )
+        path = os.path.join(self.get_temp_dir(), "features.tfrecord")
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`x` must hold images of shape \(32, 32, 3\), as the model's "
+            r"input. Received a batch of shape \(2, 24, 24, 3\)",
+        ):
+            tfmemsafe.cache_features(
+                _untouched_model(), dataset, cache_path=path, verbose=0
+            )
+        self.assertEqual(os.listdir(self.get_temp_dir()), [])
+
     def test_validation_images_are_cached_and_match_full_model_evaluate(self):
         model = _build(dropout=0.5)
         _compile(model)

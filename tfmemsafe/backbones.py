@@ -151,9 +151,7 @@ def build_frozen_mobilenet_v2(
     'float32'
     """
     height, width = _check_input_shape(input_shape, resize_to)
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int):
-        num_classes = None
-    if num_classes is None or num_classes < 2:
+    if not _is_positive_int(num_classes) or num_classes < 2:
         raise ValueError(
             "`num_classes` must be an integer >= 2. "
             f"Received: num_classes={num_classes!r}"
@@ -634,7 +632,7 @@ def _unfreeze_start(layers, backbone_name, last_n_layers, from_layer) -> int:
         if from_layer not in names:
             raise ValueError(
                 f"`from_layer` must name a layer of the backbone "
-                f"{backbone_name!r}, such as {names[-10]!r}. "
+                f"{backbone_name!r}, such as {names[-min(10, len(names))]!r}. "
                 f"Received: from_layer={from_layer!r}"
             )
         return names.index(from_layer)
@@ -743,7 +741,17 @@ def _compiled_extractor(extractor: keras.Model):
     def extract(images):
         return extractor(images, training=False)
 
-    return lambda images: extract(tf.cast(images, spec.dtype))
+    def run(images):
+        images = tf.convert_to_tensor(images)
+        if not tf.TensorShape(spec.shape).is_compatible_with(images.shape):
+            raise ValueError(
+                f"`x` must hold images of shape {tuple(spec.shape[1:])}, as "
+                f"the model's input. Received a batch of shape "
+                f"{tuple(images.shape)}."
+            )
+        return extract(tf.cast(images, spec.dtype))
+
+    return run
 
 
 def _cache_in_memory(extract, batches, progress) -> tf.data.Dataset:
@@ -767,17 +775,22 @@ def _cache_to_file(extract, batches, path, progress) -> tf.data.Dataset:
     partial = path + ".partial"
     specs = None
     num_samples = 0
-    with tf.io.TFRecordWriter(partial) as writer:
-        for step, (images, *rest) in enumerate(batches, start=1):
-            row = [extract(images), *rest]
-            row = [tf.convert_to_tensor(value) for value in row]
-            specs = specs or [
-                tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in row
-            ]
-            num_samples += int(row[0].shape[0])
-            writer.write(_serialize_row(row))
-            if progress:
-                progress.update(step)
+    try:
+        with tf.io.TFRecordWriter(partial) as writer:
+            for step, (images, *rest) in enumerate(batches, start=1):
+                row = [extract(images), *rest]
+                row = [tf.convert_to_tensor(value) for value in row]
+                specs = specs or [
+                    tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in row
+                ]
+                num_samples += int(row[0].shape[0])
+                writer.write(_serialize_row(row))
+                if progress:
+                    progress.update(step)
+    except BaseException:
+        if tf.io.gfile.exists(partial):  # Never leave a half-written cache.
+            tf.io.gfile.remove(partial)
+        raise
     if specs is None:
         tf.io.gfile.remove(partial)
         raise ValueError("`x` is empty: there are no images to cache.")
