@@ -322,6 +322,51 @@ class BuildTest(parameterized.TestCase, tf.test.TestCase):
             _build(**kwargs)
 
 
+class InferenceModeTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(
+        # Keras 3 overrides the recorded training=False during fit
+        # (keras-team/keras#20285): the reason InferenceMode exists.
+        ("plain_keras_call", False, False),
+        ("inference_mode", True, True),
+    )
+    def test_trainable_batchnorm_keeps_statistics_only_in_inference_mode(
+        self, wrap, statistics_kept
+    ):
+        keras.utils.set_random_seed(0)
+        block = keras.Sequential(
+            [keras.Input((4,)), keras.layers.BatchNormalization()]
+        )
+        inputs = keras.Input((4,))
+        if wrap:
+            x = tfmemsafe.InferenceMode(block)(inputs)
+        else:
+            x = block(inputs, training=False)
+        model = keras.Model(inputs, keras.layers.Dense(1)(x))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        batchnorm = block.layers[0]
+        x = np.random.default_rng(0).normal(3.0, 2.0, (32, 4))
+
+        model.fit(x, x[:, :1], batch_size=8, verbose=0)
+
+        self.assertEqual(
+            np.all(batchnorm.moving_mean.numpy() == 0.0), statistics_kept
+        )
+        self.assertNotAllClose(batchnorm.gamma.numpy(), np.ones(4))
+
+    def test_keras_round_trip_keeps_the_wrapped_layer(self):
+        inputs = keras.Input((4,))
+        layer = tfmemsafe.InferenceMode(keras.layers.Dense(2), name="wrapped")
+        model = keras.Model(inputs, layer(inputs))
+        path = os.path.join(self.get_temp_dir(), "wrapped.keras")
+        model.save(path)
+
+        restored = keras.saving.load_model(path).get_layer("wrapped")
+
+        self.assertIsInstance(restored, tfmemsafe.InferenceMode)
+        self.assertIsInstance(restored.layer, keras.layers.Dense)
+        self.assertAllClose(restored.layer.kernel, layer.layer.kernel)
+
+
 class UnfreezeTest(parameterized.TestCase, tf.test.TestCase):
     def _trainable_backbone_layers(self, backbone):
         return [
