@@ -5,6 +5,9 @@ Importing it turns on GPU memory growth and picks the dtype policy (see
 """
 
 from tfmemsafe import testing
+from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.accumulation import GradientAccumulator
+from tfmemsafe.accumulation import with_gradient_accumulation
 from tfmemsafe.backbones import InferenceMode
 from tfmemsafe.backbones import UnfreezeSummary
 from tfmemsafe.backbones import build_frozen_mobilenet_v2
@@ -25,6 +28,8 @@ from tfmemsafe.runtime import runtime_config
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulatingModel",
+    "GradientAccumulator",
     "InferenceMode",
     "MemoryInfo",
     "MemoryMonitor",
@@ -42,6 +47,7 @@ __all__ = [
     "runtime_config",
     "testing",
     "unfreeze",
+    "with_gradient_accumulation",
 ]
 
 from tfmemsafe import runtime as _runtime  # noqa: E402
