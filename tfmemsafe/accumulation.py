@@ -70,12 +70,14 @@ class GradientAccumulator:
 
     Example:
 
-    A GAN's `train_step` with one accumulator per network:
+    A GAN with one accumulator per network. Deriving from
+    `AccumulatingModel` (rather than `keras.Model`) makes `fit` flush both
+    at the end of each epoch and lets `model.accumulation_steps` set both.
 
     ```python
-    class GAN(keras.Model):
+    class GAN(tfmemsafe.AccumulatingModel):
         def __init__(self, generator, discriminator, accumulation_steps):
-            super().__init__()
+            super().__init__(accumulation_steps=accumulation_steps)
             self.generator = generator
             self.discriminator = discriminator
             self.d_accumulator = tfmemsafe.GradientAccumulator(
@@ -83,25 +85,24 @@ class GradientAccumulator:
             self.g_accumulator = tfmemsafe.GradientAccumulator(
                 accumulation_steps, name="generator")
 
+        def compile(self, d_optimizer, g_optimizer):
+            super().compile()
+            self.d_optimizer = d_optimizer
+            self.g_optimizer = g_optimizer
+
         def train_step(self, real_images):
             batch_size = tf.shape(real_images)[0]
-            noise = tf.random.normal((batch_size, 128))
             with tf.GradientTape() as tape:
-                d_loss = self.d_loss(real_images, self.generator(noise))
-                d_loss = self.d_optimizer.scale_loss(d_loss)
-            variables = self.discriminator.trainable_weights
+                d_loss = self.discriminator_loss(real_images)
+                # Scaled under mixed precision, unchanged otherwise.
+                scaled_loss = self.d_optimizer.scale_loss(d_loss)
+            weights = self.discriminator.trainable_weights
             self.d_accumulator.accumulate(
-                tape.gradient(d_loss, variables), variables, batch_size)
+                tape.gradient(scaled_loss, weights), weights, batch_size)
             self.d_accumulator.apply_if_ready(self.d_optimizer)
-            # ... the same for the generator with self.g_accumulator ...
+            # The same for the generator, with self.g_accumulator.
             return {"d_loss": d_loss}
     ```
-
-    `scale_loss` is what makes it work under mixed precision (a
-    `LossScaleOptimizer` scales, other optimizers return the loss as is).
-    If the model derives from `AccumulatingModel` instead of
-    `keras.Model`, `fit` also flushes both accumulators at the end of each
-    epoch.
     """
 
     def __init__(self, accumulation_steps: int, name: str = "accumulator"):
@@ -156,7 +157,9 @@ class GradientAccumulator:
         variables = list(trainable_variables)
         if self.built and _same_variables(variables, self._trainable_variables):
             return
-        _create_variables(functools.partial(self._create_variables, variables))
+        _create_in_strategy_scope(
+            functools.partial(self._create_variables, variables)
+        )
         self._trainable_variables = variables
         self._has_gradient = [False] * len(variables)
         self.built = True
@@ -315,7 +318,8 @@ class GradientAccumulator:
 
     def _apply_window(self, ready, optimizer):
         """Applies the window when `ready`, from a replica context."""
-        optimizer = optimizer or self._optimizer
+        if optimizer is None:
+            optimizer = self._optimizer
         if optimizer is None:
             raise ValueError(
                 f"GradientAccumulator {self.name!r} has no optimizer yet: "
@@ -323,7 +327,7 @@ class GradientAccumulator:
             )
         self._optimizer = optimizer
         if not optimizer.built:
-            _create_variables(
+            _create_in_strategy_scope(
                 functools.partial(optimizer.build, self._trainable_variables)
             )
         context = tf.distribute.get_replica_context()
@@ -419,12 +423,12 @@ class GradientAccumulator:
         optimizer.apply(gradients, self._trainable_variables)
 
 
-def _create_variables(create) -> None:
-    """Runs `create` eagerly, in the cross-replica context of the strategy.
+def _create_in_strategy_scope(create) -> None:
+    """Runs `create`, which makes variables, eagerly in the strategy's scope.
 
-    So that variables can be created lazily while a step is traced in a
-    replica context: MirroredStrategy cannot create them in a replica
-    thread (their initial values leak into later `tf.cond` branches).
+    It may be called while a step is traced in a replica context: under
+    MirroredStrategy, variables created there by a replica thread made a
+    later `tf.cond` branch fail ("You must feed a value for placeholder").
     """
 
     def create_eagerly(*_):
@@ -512,17 +516,20 @@ class AccumulatingModel(keras.Model):
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches per optimizer update; takes effect in the next fit."""
+        """Micro-batches per optimizer update; takes effect in the next fit.
+
+        Setting it sets it on every `GradientAccumulator` the model holds.
+        """
         return self._accumulator.accumulation_steps
 
     @accumulation_steps.setter
     def accumulation_steps(self, value):
         value = _check_accumulation_steps(value)
-        if value != self._accumulator.accumulation_steps:
-            self._accumulator.accumulation_steps = value
-            # The value is part of the traced step: trace it again.
-            self.train_function = None
-            self._flush_function = None
+        for accumulator in self._accumulators():
+            accumulator.accumulation_steps = value
+        # The value is part of the traced step: trace it again.
+        self.train_function = None
+        self._flush_function = None
 
     @property
     def gradient_accumulator(self) -> GradientAccumulator:
@@ -617,12 +624,19 @@ class AccumulatingModel(keras.Model):
         ]
         if not pending:
             return False
-        if self._flush_function is None:
-            self._flush_function = self._make_flush_function()
-        return bool(self._flush_function())
-
-    def _make_flush_function(self):
         accumulators = [a for a in self._accumulators() if a.built]
+        if (
+            self._flush_function is None
+            or self._flush_function[0] != accumulators
+        ):
+            self._flush_function = (
+                accumulators,
+                self._make_flush_function(accumulators),
+            )
+        return bool(self._flush_function[1]())
+
+    def _make_flush_function(self, accumulators):
+        """A function that flushes `accumulators` under the model's strategy."""
         strategy = self.distribute_strategy
 
         def flush_on_replica():
