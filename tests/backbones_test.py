@@ -184,6 +184,28 @@ class BuildTest(parameterized.TestCase, tf.test.TestCase):
             restored.get_layer("resize").output.shape[1:3], (32, 32)
         )
 
+    def test_accumulation_steps_give_an_accumulating_model(self):
+        model = _build(accumulation_steps=2, dropout=0.0)
+        self.assertIsInstance(model, tfmemsafe.AccumulatingModel)
+        self.assertEqual(model.accumulation_steps, 2)
+        backbone_before = _values(_backbone(model).weights)
+        _compile(model)
+        x = _images(16)
+        model.fit(x, _labels(16), batch_size=4, verbose=0)
+
+        # 4 micro-batches of 4 make 2 updates of 8.
+        self.assertEqual(int(model.optimizer.iterations), 2)
+        for path, value in _values(_backbone(model).weights).items():
+            self.assertAllEqual(value, backbone_before[path], msg=path)
+        path = os.path.join(self.get_temp_dir(), "accumulating.keras")
+        model.save(path)
+        restored = keras.saving.load_model(path)
+        self.assertIsInstance(restored, tfmemsafe.AccumulatingModel)
+        self.assertEqual(restored.accumulation_steps, 2)
+        self.assertAllClose(
+            restored.predict(x, verbose=0), model.predict(x, verbose=0)
+        )
+
     @parameterized.named_parameters(
         ("keras_weights_file", "backbone.weights.h5"),
         ("legacy_h5_like_the_imagenet_download", "backbone_no_top.h5"),
