@@ -1,10 +1,12 @@
 """Tests for tfmemsafe.MemoryMonitor in real `fit` runs on the CPU."""
 
 import csv
+import functools
 import glob
 import math
 import os
 import sys
+import tempfile
 from unittest import mock
 
 import keras
@@ -73,7 +75,7 @@ class _ListHandler(logging.logging.Handler):
 
 
 def _peaks_for_batch_sizes(batch_sizes):
-    x, y = _data(512)
+    x, y = _data(256)
     peaks = {}
     for batch_size in batch_sizes:
         monitor = tfmemsafe.MemoryMonitor(verbose=0)
@@ -108,6 +110,26 @@ def _epoch_peaks_after_a_spike_in_the_first():
     return history.history["memory_peak_mb"]
 
 
+def _bfc_allocator_readings():
+    # Before TensorFlow initialises its devices: two logical CPUs for the
+    # MirroredStrategy run (the others, with no strategy, read CPU:0).
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    return {
+        "peaks_by_batch_size": _peaks_for_batch_sizes([16, 256]),
+        "epoch_peaks_after_spike": _epoch_peaks_after_a_spike_in_the_first(),
+        "mirrored": _mirrored_fit(),
+    }
+
+
+@functools.cache
+def _readings_in_a_bfc_process():
+    """One fresh process for the tests that read exact, uncapped peaks."""
+    return testing.run_in_subprocess(_bfc_allocator_readings, env=_BFC_ENV)
+
+
 def _warnings_under_cap(warn_at_values):
     x, y = _data(512)
     warnings = []
@@ -125,8 +147,9 @@ def _warnings_under_cap(warn_at_values):
     return warnings
 
 
-def _retry_after_oom(csv_path):
+def _retry_after_oom():
     x, y = _data(1024)
+    csv_path = os.path.join(tempfile.mkdtemp(), "memory.csv")
     monitor = tfmemsafe.MemoryMonitor(csv_path=csv_path, verbose=0)
     model = _conv_net()
     try:
@@ -140,20 +163,31 @@ def _retry_after_oom(csv_path):
     history = model.fit(
         x, y, batch_size=64, epochs=2, verbose=0, callbacks=[monitor]
     )
+    with open(csv_path) as f:
+        csv_rows = len(list(csv.DictReader(f)))
     return {
         "oom": oom,
         "peak_at_oom": peak_at_oom,
         "history": history.history["memory_peak_mb"],
         "samples": [[s.epoch, s.batch, s.phase] for s in monitor.samples],
-        "summary": monitor.summary(),
+        "csv_rows": csv_rows,
     }
 
 
+def _readings_under_a_300_mb_cap():
+    return {
+        "warnings": _warnings_under_cap([0.3, 0.9]),
+        "retry_after_oom": _retry_after_oom(),
+    }
+
+
+@functools.cache
+def _readings_in_a_capped_process():
+    """One fresh process whose CPU allocator is capped at 300 MB."""
+    return testing.run_with_memory_cap(_readings_under_a_300_mb_cap, 300)
+
+
 def _mirrored_fit():
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     with strategy.scope():
         model = _conv_net()
@@ -416,24 +450,18 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
     # Fresh processes: allocator settings, logical devices, memory caps.
 
     def test_peak_grows_with_the_batch_size(self):
-        peaks = testing.run_in_subprocess(
-            _peaks_for_batch_sizes, args=[[16, 256]], env=_BFC_ENV
-        )
+        peaks = _readings_in_a_bfc_process()["peaks_by_batch_size"]
         self.assertGreater(peaks["256"], 1.5 * peaks["16"])
 
     def test_each_epoch_has_its_own_peak(self):
-        first, second = testing.run_in_subprocess(
-            _epoch_peaks_after_a_spike_in_the_first, env=_BFC_ENV
-        )
+        first, second = _readings_in_a_bfc_process()["epoch_peaks_after_spike"]
         # The epoch itself peaks near 80 MB.
         self.assertGreater(first, 160)
         self.assertLess(second, first - 60)
 
     def test_warning_fires_once_per_epoch_past_warn_at_of_the_cap(self):
         # The conv net at batch 256 peaks at about half of a 300 MB cap.
-        low, high = testing.run_with_memory_cap(
-            _warnings_under_cap, 300, args=[[0.3, 0.9]]
-        )
+        low, high = _readings_in_a_capped_process()["warnings"]
         self.assertLen(low, 2)
         self.assertRegex(
             low[0],
@@ -446,10 +474,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEmpty(high)
 
     def test_reuse_after_out_of_memory_keeps_only_the_retry(self):
-        csv_path = os.path.join(self.get_temp_dir(), "memory.csv")
-        result = testing.run_with_memory_cap(
-            _retry_after_oom, 300, args=[csv_path]
-        )
+        result = _readings_in_a_capped_process()["retry_after_oom"]
         self.assertTrue(result["oom"])
         self.assertGreater(result["peak_at_oom"], 150)
         self.assertLen(result["history"], 2)
@@ -458,11 +483,10 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             result["samples"],
             [[epoch, batch, "train"] for epoch in (0, 1) for batch in range(4)],
         )
-        with open(csv_path) as f:
-            self.assertLen(list(csv.DictReader(f)), 8)
+        self.assertEqual(result["csv_rows"], 8)
 
     def test_mirrored_strategy_reports_both_devices(self):
-        result = testing.run_in_subprocess(_mirrored_fit, env=_BFC_ENV)
+        result = _readings_in_a_bfc_process()["mirrored"]
         logs = result["logs"]
         self.assertEqual(result["devices"], ["CPU:0", "CPU:1"])
         for key in ("memory_peak_mb_cpu_0", "memory_peak_mb_cpu_1"):
