@@ -62,10 +62,15 @@ def _calibrated_backbone(seed=0):
 
 
 @functools.cache
+def _weights_directory():
+    # Kept alive by the cache; removed when the interpreter exits.
+    return tempfile.TemporaryDirectory(prefix="backbones_test-")
+
+
+@functools.cache
 def _weights_file():
     """A backbone weights file, written once per test run."""
-    directory = tempfile.mkdtemp(prefix="backbones_test-")
-    path = os.path.join(directory, "backbone.weights.h5")
+    path = os.path.join(_weights_directory().name, "backbone.weights.h5")
     _calibrated_backbone().save_weights(path)
     return path
 
