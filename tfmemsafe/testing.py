@@ -7,6 +7,7 @@ process. Tests of that state, and tests that need a genuine
 child process. `run_with_memory_cap` starts one whose CPU allocator is
 capped, so TensorFlow really runs out of memory, and raises the error
 back in the parent where `tfmemsafe.is_oom_error` recognises it.
+`run_workers` starts a local multi-worker cluster of such processes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import builtins
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -174,34 +177,207 @@ def run_in_subprocess(
     this process's `sys.path`, so anything importable here is there too.
     Arguments and returns are as for `run_with_memory_cap`.
     """
-    child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [p for p in sys.path if p and os.path.isdir(p)]
-    )
-    child_env.update(env or {})
-    if isinstance(target, str) and target.endswith(".py"):
-        return _run_script(target, args, child_env, timeout, capture_output)
     with tempfile.TemporaryDirectory(prefix="tfmemsafe-") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        payload = {
-            "target": _target_path(target),
-            "args": list(args),
-            "kwargs": dict(kwargs or {}),
-            "result_path": result_path,
-        }
-        command = [sys.executable, "-c", _BOOTSTRAP, json.dumps(payload)]
-        returncode, stdout, stderr = _communicate(
-            command, child_env, timeout, capture_output
+        child = _Child(target, args, kwargs, env, capture_output, tmp)
+        child.wait(timeout)
+        return child.outcome()
+
+
+def run_workers(
+    target: Callable | str,
+    num_workers: int = 2,
+    *,
+    args: Sequence = (),
+    kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    worker_env: Sequence[Mapping[str, str]] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    return_exceptions: bool = False,
+) -> list:
+    """Runs a function as the workers of a local multi-worker cluster.
+
+    Starts `num_workers` fresh processes on this machine, each with a
+    `TF_CONFIG` naming all of them (free loopback ports) and its own task
+    index, so that `tf.distribute.MultiWorkerMirroredStrategy()` in the
+    function forms one cluster. All are killed, with their children, if
+    any is still running after `timeout` seconds.
+
+    Args:
+        target: A module-level function (or `"module:function"`), run by
+            every worker with `args` and `kwargs`. It can read its index
+            from `TF_CONFIG`.
+        num_workers: int. How many workers. Defaults to 2.
+        args: JSON-serializable positional arguments.
+        kwargs: JSON-serializable keyword arguments.
+        env: Extra environment variables for every worker.
+        worker_env: One mapping of extra environment variables per
+            worker (for example a memory cap on one of them).
+        timeout: float. Seconds for the whole cluster. Defaults to 600.
+        return_exceptions: bool. If `True`, a failed worker's
+            `SubprocessError` takes its place in the returned list instead
+            of being raised. Defaults to `False`.
+
+    Returns:
+        The workers' return values, by task index.
+
+    Raises:
+        SubprocessError: The first failed worker's error (unless
+            `return_exceptions`).
+
+    Example:
+    >>> def train():
+    ...     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    ...     ...
+    ...     return [w.tolist() for w in model.get_weights()]
+    >>> first, second = tfmemsafe.testing.run_workers(train, 2)
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+        num_workers = -1
+    if num_workers < 1:
+        raise ValueError(
+            "`num_workers` must be an integer >= 1. "
+            f"Received: num_workers={num_workers!r}"
         )
+    worker_env = list(worker_env or [{}] * num_workers)
+    if len(worker_env) != num_workers:
+        raise ValueError(
+            "`worker_env` must have one mapping per worker. Received: "
+            f"{len(worker_env)} mappings for num_workers={num_workers}"
+        )
+    cluster = {
+        "worker": [f"localhost:{port}" for port in _free_ports(num_workers)]
+    }
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="tfmemsafe-") as tmp:
+        children = []
         try:
-            with open(result_path) as f:
+            for index in range(num_workers):
+                config = {
+                    "cluster": cluster,
+                    "task": {"type": "worker", "index": index},
+                }
+                child_env = {
+                    **(env or {}),
+                    **worker_env[index],
+                    "TF_CONFIG": json.dumps(config),
+                }
+                directory = os.path.join(tmp, str(index))
+                os.mkdir(directory)
+                children.append(
+                    _Child(target, args, kwargs, child_env, True, directory)
+                )
+            for child in children:
+                child.wait(max(deadline - time.monotonic(), 0.1))
+        finally:
+            for child in children:
+                child.kill()
+        results = []
+        for child in children:
+            try:
+                results.append(child.outcome())
+            except SubprocessError as err:
+                if not return_exceptions:
+                    raise
+                results.append(err)
+    return results
+
+
+class _Child:
+    """One child process running a function or a script."""
+
+    def __init__(self, target, args, kwargs, env, capture, directory):
+        child_env = dict(os.environ)
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [p for p in sys.path if p and os.path.isdir(p)]
+        )
+        child_env.update(env or {})
+        self.result_path = None
+        if isinstance(target, str) and target.endswith(".py"):
+            if not os.path.isfile(target):
+                raise ValueError(
+                    f"`target` script not found. Received: target={target!r}"
+                )
+            self.name = target
+            command = [sys.executable, target, *map(str, args)]
+        else:
+            self.name = _target_path(target)
+            self.result_path = os.path.join(directory, "result.json")
+            payload = {
+                "target": self.name,
+                "args": list(args),
+                "kwargs": dict(kwargs or {}),
+                "result_path": self.result_path,
+            }
+            command = [sys.executable, "-c", _BOOTSTRAP, json.dumps(payload)]
+        self.capture = capture
+        pipe = subprocess.PIPE if capture else None
+        self.process = subprocess.Popen(
+            command,
+            env=child_env,
+            stdout=pipe,
+            stderr=pipe,
+            text=True,
+            start_new_session=True,
+        )
+        self.stdout = self.stderr = ""
+
+    def wait(self, timeout: float) -> None:
+        """Waits for the child; kills it (and its group) after `timeout`."""
+        try:
+            stdout, stderr = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            stdout, stderr = self.process.communicate()
+            stderr = (stderr or "") + (
+                f"\n[killed: still running after {timeout:.0f} s]"
+            )
+        except BaseException:
+            # Ctrl-C in the parent: leave no orphans behind.
+            self.kill()
+            raise
+        self.stdout, self.stderr = stdout or "", stderr or ""
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            _kill_group(self.process)
+
+    def outcome(self):
+        """The function's value or the script's stdout; raises on failure."""
+        returncode = self.process.returncode
+        if self.result_path is None:
+            if returncode != 0:
+                raise _failure(
+                    self.name,
+                    returncode,
+                    self.stdout,
+                    self.stderr,
+                    _parse_error(self.stderr),
+                )
+            return self.stdout if self.capture else None
+        try:
+            with open(self.result_path) as f:
                 result = json.load(f)
         except (OSError, ValueError):
             result = None
-    if result is None or "error" in result:
-        error = (result or {}).get("error")
-        raise _failure(payload["target"], returncode, stdout, stderr, error)
-    return result["value"]
+        if result is None or "error" in result:
+            error = (result or {}).get("error")
+            raise _failure(
+                self.name, returncode, self.stdout, self.stderr, error
+            )
+        return result["value"]
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("localhost", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _target_path(target) -> str:
@@ -232,44 +408,6 @@ def _main_module_name() -> str:
             "a module so that a new process can import it."
         )
     return os.path.splitext(os.path.basename(path))[0]
-
-
-def _run_script(path, args, env, timeout, capture_output) -> str | None:
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"`target` script not found. Received: target={path!r}"
-        )
-    command = [sys.executable, path, *map(str, args)]
-    returncode, stdout, stderr = _communicate(
-        command, env, timeout, capture_output
-    )
-    if returncode != 0:
-        raise _failure(path, returncode, stdout, stderr, _parse_error(stderr))
-    return stdout if capture_output else None
-
-
-def _communicate(command, env, timeout, capture) -> tuple[int, str, str]:
-    pipe = subprocess.PIPE if capture else None
-    process = subprocess.Popen(
-        command,
-        env=env,
-        stdout=pipe,
-        stderr=pipe,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
-        stdout, stderr = process.communicate()
-        stderr = (stderr or "") + f"\n[killed: still running after {timeout} s]"
-        return -signal.SIGKILL, stdout or "", stderr
-    except BaseException:
-        # Ctrl-C in the parent: leave no orphans behind.
-        _kill_group(process)
-        raise
-    return process.returncode, stdout or "", stderr or ""
 
 
 def _kill_group(process) -> None:
@@ -312,7 +450,10 @@ def _rebuild(error: dict) -> BaseException:
         cls = getattr(tf.errors, name, None)
         if isinstance(cls, type) and issubclass(cls, tf.errors.OpError):
             return cls(None, None, message)
-    cls = getattr(builtins, name, None)
+    # Classes of modules already imported here (builtins, tfmemsafe.errors)
+    # are rebuilt as themselves; nothing new is imported for it.
+    module = sys.modules.get(error["module"], builtins)
+    cls = getattr(module, name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:
             return cls(message)

@@ -1,0 +1,136 @@
+"""Training under `MultiWorkerMirroredStrategy`, where Keras 3 alone fails.
+
+Keras 3.15's TensorFlow trainer fails before the first step when a plain
+`keras.Model` is fit under `tf.distribute.MultiWorkerMirroredStrategy`
+(keras-team/keras#20585, tensorflow/tensorflow#72388), at two points:
+
+1. `_maybe_symbolic_build` takes a sample batch with
+   `strategy.reduce("MEAN", per_replica_batch, axis=None)` outside any
+   function, which the collective strategy cannot convert to a tensor.
+2. `reduce_per_replica` reduces every log with
+   `strategy.reduce("MEAN", value, axis=0)` when it runs on several
+   workers, which fails for scalar logs ("Invalid reduction dimension 0
+   for input with 0 dimensions").
+
+`_MultiWorkerSupport` fixes both on our own model class, without touching
+Keras: it builds from one replica's part of the batch, and gives each
+scalar log a leading axis of length 1 so that Keras' reduction averages
+it over the workers and returns a scalar again. Every other step (the
+gradient all-reduce, metrics, `evaluate`, `predict`) is Keras' own.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy | None = None) -> bool:
+    """Whether a strategy spans more than one worker process.
+
+    Args:
+        strategy: The strategy to ask about. Defaults to `None`, the
+            strategy in scope.
+
+    Returns:
+        `True` for a `MultiWorkerMirroredStrategy` whose cluster has more
+        than one worker.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    # The strategy knows once it has read the cluster from TF_CONFIG.
+    return bool(strategy.extended._in_multi_worker_mode())
+
+
+def worker_index(strategy: tf.distribute.Strategy | None = None) -> int:
+    """This process's task index in a multi-worker cluster (0 elsewhere)."""
+    strategy = strategy or tf.distribute.get_strategy()
+    if not is_multi_worker(strategy):
+        return 0
+    return int(strategy.cluster_resolver.task_id)
+
+
+def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
+    """Whether this process should write shared outputs (worker 0)."""
+    return worker_index(strategy) == 0
+
+
+class _MultiWorkerSupport:
+    """Lets a `keras.Model` subclass train under MultiWorkerMirroredStrategy.
+
+    A mixin placed before `keras.Model` in the bases. On one machine
+    nothing changes.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if (
+            iterator is None
+            or strategy is None
+            or not is_multi_worker(strategy)
+        ):
+            return super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
+        # Keras averages the replicas' batches to get a sample batch; the
+        # collective strategy cannot do that eagerly. One replica's part
+        # has the same structure, which is all building needs.
+        for _, _, epoch_iterator in iterator:
+            batch = next(epoch_iterator)
+            data_batch = tf.nest.map_structure(
+                lambda value: (
+                    strategy.experimental_local_results(value)[0]
+                    if isinstance(value, tf.distribute.DistributedValues)
+                    else value
+                ),
+                batch,
+            )
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        if not is_multi_worker(self.distribute_strategy):
+            return super()._make_function(step_function)
+
+        def step_with_vector_logs(data):
+            return tf.nest.map_structure(
+                _as_vector_if_scalar, step_function(data)
+            )
+
+        return super()._make_function(step_with_vector_logs)
+
+
+def _as_vector_if_scalar(value):
+    value = tf.convert_to_tensor(value)
+    return tf.reshape(value, [1]) if value.shape.rank == 0 else value
+
+
+class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` for several workers.
+
+    Keras 3's callback has every worker write the same backup files at
+    once. This one lets only the chief (worker 0) write, and every worker
+    restore from the chief's files, which therefore must be on a file
+    system that every worker can read (as Keras 2 required). On one
+    machine it is `keras.callbacks.BackupAndRestore`.
+
+    After a job fails, for example because one worker ran out of memory,
+    start every worker again with the same `backup_dir` (and, after an
+    OOM, a smaller `--batch_size`): training resumes after the last epoch
+    the chief backed up.
+
+    Args:
+        backup_dir: str. A directory every worker can read. Other
+            arguments as for `keras.callbacks.BackupAndRestore`.
+    """
+
+    def _save_model(self):
+        if is_chief(self.model.distribute_strategy):
+            super()._save_model()
+
+    def on_train_end(self, logs=None):
+        # The chief deletes the backup it wrote.
+        if is_chief(self.model.distribute_strategy):
+            super().on_train_end(logs)
