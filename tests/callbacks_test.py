@@ -216,6 +216,31 @@ def _fit_without_allocator_statistics():
     }
 
 
+class _OneRunCallbackList(keras.callbacks.CallbackList):
+    """Several `fit` calls as one run, as `tfmemsafe.fit` retries are."""
+
+    started = False
+
+    def on_train_begin(self, logs=None):
+        if not self.started:
+            self.started = True
+            super().on_train_begin(logs)
+
+
+class _FailOnce(keras.callbacks.Callback):
+    """Raises an out-of-memory error once, at epoch 1, batch 2."""
+
+    failed = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 2 and not self.failed:
+            self.failed = True
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM")
+
+
 class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
     def _fit(self, monitor, epochs=1, count=128, extra_callbacks=(), **kw):
         x, y = _data(count)
@@ -321,6 +346,46 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual([row["batch"] for row in rows], ["0", "1"])
         rows = [line.split()[0] for line in monitor.summary().splitlines()]
         self.assertEqual(rows[2:], ["0", "limit"])
+
+    def test_retries_that_are_one_run_continue_the_readings(self):
+        csv_path = os.path.join(self.get_temp_dir(), "memory.csv")
+        monitor = tfmemsafe.MemoryMonitor(csv_path=csv_path, verbose=0)
+        model = _conv_net()
+        x, y = _data(128)
+        callbacks = _OneRunCallbackList(
+            [_FailOnce(), monitor], add_history=True, model=model
+        )
+        with self.assertRaises(tf.errors.ResourceExhaustedError):
+            model.fit(
+                x, y, batch_size=32, epochs=2, verbose=0, callbacks=callbacks
+            )
+        history = model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=2,
+            initial_epoch=1,
+            verbose=0,
+            callbacks=callbacks,
+        )
+        self.assertEqual(
+            [(s.epoch, s.batch, s.step) for s in monitor.samples],
+            [(0, b, b) for b in range(4)]
+            + [(1, b, 4 + b) for b in range(3)]  # Failed at batch 2.
+            + [(1, b, 7 + b) for b in range(4)],  # The resumed epoch.
+        )
+        self.assertLen(history.history["memory_peak_mb"], 2)
+        rows = [line.split()[0] for line in monitor.summary().splitlines()]
+        self.assertEqual(rows[2:], ["0", "1", "limit"])
+        with open(csv_path) as f:
+            self.assertLen(list(csv.DictReader(f)), 11)
+        figure = monitor.plot()
+        boundaries = [
+            line.get_xdata()[0]
+            for line in figure.axes[0].get_lines()
+            if line.get_color() == "0.85"
+        ]
+        self.assertEqual(boundaries, [3.5, 6.5])
 
     def test_log_dir_gets_a_scalar_per_reading(self):
         log_dir = self.get_temp_dir()

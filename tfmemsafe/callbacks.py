@@ -112,8 +112,9 @@ class MemoryMonitor(keras.callbacks.Callback):
     Every reading is kept in `samples`; `summary()` tabulates the peak per
     epoch and `plot()` draws memory over the batches. State is reset in
     `on_train_begin`, so one instance can be passed to several `fit()`
-    calls (or to the retries of `tfmemsafe.fit`); `evaluate()` and
-    `predict()` outside `fit()` add their readings to the last run's.
+    calls; `tfmemsafe.fit`, which calls `on_train_begin` once for all its
+    retries, gets one record of them all. `evaluate()` and `predict()`
+    outside `fit()` add their readings to the last run's.
 
     Args:
         devices: str, `tf.config.LogicalDevice`, or a list of them. The
@@ -311,7 +312,8 @@ class MemoryMonitor(keras.callbacks.Callback):
         A solid line is each device's peak since its epoch began, a dotted
         line the memory in use after each batch, a dashed line the limit
         when it is known and within reach of the readings (otherwise the
-        legend names it). Thin vertical lines mark where epochs begin.
+        legend names it). Thin vertical lines mark where an epoch (or a
+        resumed epoch, or another run) begins.
 
         Args:
             path: str. If given, the PNG file to write. Defaults to `None`.
@@ -377,12 +379,12 @@ class MemoryMonitor(keras.callbacks.Callback):
                 )
             elif limit is not None:
                 axes.plot([], [], " ", label=f"{device} limit: {limit:.0f} MB")
-        epochs_seen = set()
-        for sample in samples:
-            if sample.epoch is not None and sample.epoch not in epochs_seen:
-                epochs_seen.add(sample.epoch)
-                if sample.step > 0:
-                    axes.axvline(sample.step - 0.5, color="0.85", lw=0.8)
+        # An epoch, a resumed epoch or a new run begins where the batch
+        # index stops growing.
+        first = next(iter(by_device.values()))
+        for before, sample in itertools.pairwise(first):
+            if sample.epoch != before.epoch or sample.batch <= before.batch:
+                axes.axvline(sample.step - 0.5, color="0.85", lw=0.8)
         axes.set_ylim(0, 1.25 * highest)  # Room for the legend.
         axes.set_xlabel(f"{phase} batch")
         axes.set_ylabel("memory (MB)")
