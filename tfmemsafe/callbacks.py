@@ -598,9 +598,9 @@ class MemoryMonitor(keras.callbacks.Callback):
 
     def _write(self, sample: MemorySample):
         if self._csv_file is not None:
+            values = (getattr(sample, name) for name in _CSV_FIELDS)
             self._csv_writer.writerow(
-                "" if value is None else value
-                for value in dataclasses.astuple(sample)
+                "" if value is None else value for value in values
             )
         if self._writer is not None:
             device = sample.device.replace(":", "_")
