@@ -369,10 +369,18 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
             [id(v) for v in model.weights], [id(v) for v in original.weights]
         )
 
-    def test_with_gradient_accumulation_sets_steps_of_accumulating_model(self):
+    def test_with_gradient_accumulation_returns_accumulating_model(self):
         model = _functional(AccumulatingModel, accumulation_steps=2)
+        self.assertIs(tfmemsafe.with_gradient_accumulation(model), model)
+        self.assertEqual(model.accumulation_steps, 2)
         self.assertIs(tfmemsafe.with_gradient_accumulation(model, 8), model)
         self.assertEqual(model.accumulation_steps, 8)
+        wrapped = tfmemsafe.with_gradient_accumulation(_functional())
+        self.assertEqual(wrapped.accumulation_steps, 1)
+
+    def test_with_gradient_accumulation_rejects_what_is_not_a_model(self):
+        with self.assertRaisesRegex(ValueError, "`model` must be a keras"):
+            tfmemsafe.with_gradient_accumulation(keras.layers.Dense(3), 2)
 
     @parameterized.named_parameters(
         ("functional", lambda: _functional(AccumulatingModel)),
@@ -417,8 +425,9 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
             model.accumulation_steps = value
         with self.assertRaisesRegex(ValueError, message):
             _functional(AccumulatingModel, accumulation_steps=value)
-        with self.assertRaisesRegex(ValueError, message):
-            tfmemsafe.with_gradient_accumulation(_functional(), value)
+        if value is not None:  # None means "the default" there.
+            with self.assertRaisesRegex(ValueError, message):
+                tfmemsafe.with_gradient_accumulation(_functional(), value)
         with self.assertRaisesRegex(ValueError, message):
             GradientAccumulator(value)
 

@@ -789,7 +789,7 @@ class _WrappedModel(AccumulatingModel):
 
 
 def with_gradient_accumulation(
-    model: keras.Model, accumulation_steps: int
+    model: keras.Model, accumulation_steps: int | None = None
 ) -> AccumulatingModel:
     """Returns `model` as an `AccumulatingModel` that shares its weights.
 
@@ -800,9 +800,11 @@ def with_gradient_accumulation(
     instance, so its state (and `iterations`) carries on.
 
     Args:
-        model: A `keras.Model`. An `AccumulatingModel` is returned as is,
-            with its `accumulation_steps` set.
+        model: A `keras.Model`. An `AccumulatingModel` is returned as is.
         accumulation_steps: int. Micro-batches per optimizer update.
+            Defaults to the value an `AccumulatingModel` has, else to 1:
+            it trains as before until the value is raised (as
+            `tfmemsafe.fit` does when it halves the batch).
 
     Returns:
         An `AccumulatingModel`.
@@ -816,14 +818,17 @@ def with_gradient_accumulation(
     model.fit(x, y, batch_size=16)  # updates of 128 samples
     ```
     """
-    accumulation_steps = _check_accumulation_steps(accumulation_steps)
-    if isinstance(model, AccumulatingModel):
-        model.accumulation_steps = accumulation_steps
-        return model
     if not isinstance(model, keras.Model):
         raise ValueError(
             f"`model` must be a keras.Model. Received: model={model!r}"
         )
+    if isinstance(model, AccumulatingModel):
+        if accumulation_steps is not None:
+            model.accumulation_steps = accumulation_steps
+        return model
+    if accumulation_steps is None:
+        accumulation_steps = 1
+    accumulation_steps = _check_accumulation_steps(accumulation_steps)
     if isinstance(model, Functional):
         result = AccumulatingModel(
             model.input,
