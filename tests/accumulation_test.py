@@ -199,7 +199,26 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
         # Micro-batches of 12: windows of 48, 48 and 4 samples, the last
         # a lone micro-batch of 4.
         reference, model = _reference_and_accumulating("adam")
-        _fit_both(reference, model, micro_batch=12)
+        at_epoch_end = []
+        record = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda *_: at_epoch_end.append(model.get_weights())
+        )
+        _fit_both(reference, model, micro_batch=12, callbacks=[record])
+        self.assertLess(_max_difference(reference, model), 1e-5)
+        # User callbacks see the epoch's partial window applied.
+        for a, b in zip(at_epoch_end[-1], model.get_weights(), strict=True):
+            self.assertAllEqual(a, b)
+
+    def test_unfreezing_layers_between_fits_matches_large_batch(self):
+        reference, model = _reference_and_accumulating("adam")
+        for m in (reference, model):
+            m.layers[1].trainable = False
+            m.compile("adam", "mse")
+        _fit_both(reference, model, epochs=1)
+        for m in (reference, model):
+            m.layers[1].trainable = True
+            m.compile("adam", "mse")
+        _fit_both(reference, model, epochs=1)
         self.assertLess(_max_difference(reference, model), 1e-5)
 
     @parameterized.named_parameters(

@@ -542,7 +542,7 @@ class AccumulatingModel(keras.Model):
         return sum(int(a.skipped_windows) for a in self._accumulators())
 
     def train_step(self, data):
-        if self.accumulation_steps == 1:
+        if self.accumulation_steps == 1 or not self.trainable_weights:
             return super().train_step(data)
         # Keras' own TensorFlow `train_step`, with `optimizer.apply`
         # replaced by accumulate-and-apply-when-full.
