@@ -25,6 +25,8 @@ from keras.src.models.functional import Functional
 from keras.src.saving import object_registration
 from keras.src.utils import python_utils
 
+from tfmemsafe.distribute import _MultiWorkerSupport
+
 _SUM = tf.distribute.ReduceOp.SUM
 
 
@@ -458,7 +460,7 @@ def _accumulator_dtype(variable) -> tf.DType:
 
 
 @keras.saving.register_keras_serializable(package="tfmemsafe")
-class AccumulatingModel(keras.Model):
+class AccumulatingModel(_MultiWorkerSupport, keras.Model):
     """A `keras.Model` whose `fit` accumulates gradients over micro-batches.
 
     `fit(batch_size=b)` runs forward and backward passes on micro-batches
@@ -482,6 +484,11 @@ class AccumulatingModel(keras.Model):
     `skipped_windows` counts it and `fit` logs it as `skipped_windows`.
     BatchNormalization still updates its moving statistics per
     micro-batch (see docs/gradient-accumulation.md).
+
+    It trains under `tf.distribute.MirroredStrategy` and, unlike a plain
+    Keras 3 model, under `MultiWorkerMirroredStrategy` (see
+    docs/multi-worker.md); there the gradients are reduced across all
+    workers once per window.
 
     Args:
         accumulation_steps: int. Micro-batches per optimizer update.
