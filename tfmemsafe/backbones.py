@@ -17,6 +17,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.accumulation import _check_accumulation_steps
+
 # Where Keras downloads MobileNetV2 weights from, and the sizes they exist for.
 _WEIGHTS_URL = (
     "https://storage.googleapis.com/tensorflow/keras-applications/mobilenet_v2/"
@@ -126,13 +129,12 @@ def build_frozen_mobilenet_v2(
             none.
         dropout: float. The dropout rate before the classifier, in
             [0, 1). Defaults to 0.2.
-        accumulation_steps: int. When greater than 1, the model is a
-            `tfmemsafe.AccumulatingModel` that accumulates gradients over
-            this many batches before each update. Defaults to 1.
+        accumulation_steps: int. The model's `accumulation_steps`: how
+            many batches it accumulates gradients over before each update.
+            Defaults to 1 (an update per batch, as a plain model).
 
     Returns:
-        An uncompiled `keras.Model` (an `AccumulatingModel` when
-        `accumulation_steps > 1`).
+        An uncompiled `tfmemsafe.AccumulatingModel` (a `keras.Model`).
 
     Raises:
         ValueError: If an argument is out of range, or `weights` is
@@ -199,16 +201,14 @@ def build_frozen_mobilenet_v2(
     outputs = keras.layers.Dense(
         num_classes, activation="softmax", dtype="float32", name="predictions"
     )(x)
-    if accumulation_steps > 1:
-        from tfmemsafe.accumulation import AccumulatingModel
-
-        return AccumulatingModel(
-            inputs,
-            outputs,
-            accumulation_steps=accumulation_steps,
-            name="frozen_mobilenet_v2",
-        )
-    return keras.Model(inputs, outputs, name="frozen_mobilenet_v2")
+    # An AccumulatingModel even for one step: it trains exactly like a
+    # keras.Model, and also under MultiWorkerMirroredStrategy.
+    return AccumulatingModel(
+        inputs,
+        outputs,
+        accumulation_steps=accumulation_steps,
+        name="frozen_mobilenet_v2",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,14 +513,6 @@ def _check_head_units(head_units) -> tuple[int, ...]:
     return tuple(units)
 
 
-def _check_accumulation_steps(accumulation_steps) -> None:
-    if not _is_positive_int(accumulation_steps):
-        raise ValueError(
-            "`accumulation_steps` must be an integer >= 1. "
-            f"Received: accumulation_steps={accumulation_steps!r}"
-        )
-
-
 def _check_augmentation(augmentation) -> tuple[keras.layers.Layer, ...]:
     layers = (
         (augmentation,)
@@ -674,7 +666,12 @@ def _split(model: keras.Model, features_layer: str):
             f"(such as {trainable[0]!r}). Cache features before calling "
             "`unfreeze`; fine-tune with `fit`."
         )
-    return extractor, keras.Model(features, model.outputs)
+    head = AccumulatingModel(
+        features,
+        model.outputs,
+        accumulation_steps=getattr(model, "accumulation_steps", 1),
+    )
+    return extractor, head
 
 
 def _walk(layers):
