@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
+from absl import logging
+from tensorflow.core.protobuf import error_codes_pb2
+from tensorflow.python.eager import context
+
+from tfmemsafe.errors import OOM_ADVICE
+from tfmemsafe.errors import OutOfMemoryError
 
 
 def is_multi_worker(strategy: tf.distribute.Strategy | None = None) -> bool:
@@ -134,3 +140,58 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         # The chief deletes the backup it wrote.
         if is_chief(self.model.distribute_strategy):
             super().on_train_end(logs)
+
+
+def stop_all_workers(
+    err: BaseException, batch_size: int, strategy=None
+) -> OutOfMemoryError:
+    """Stops the whole job after one worker ran out of memory.
+
+    A multi-worker job cannot halve its batch on one worker alone: the
+    other workers are waiting for it in the same collective and would wait
+    until their timeouts (or forever). So the worker that ran out reports
+    it to the cluster's coordination service, which fails every worker's
+    pending collective at once with the same message, and each worker
+    raises the returned error.
+
+    Args:
+        err: The out-of-memory error: this worker's own, or the one another
+            worker reported.
+        batch_size: The global batch size that did not fit.
+        strategy: The job's strategy. Defaults to the one in scope.
+
+    Returns:
+        A `tfmemsafe.OutOfMemoryError` to raise from `err`, saying which
+        worker ran out and how to restart the job.
+    """
+    for line in str(err).splitlines():
+        if _STOPPED in line:
+            # Another worker's report: pass its words on.
+            reported = line[line.index(_STOPPED) :]
+            return OutOfMemoryError(reported, (batch_size,))
+    strategy = strategy or tf.distribute.get_strategy()
+    workers = strategy.extended._num_workers
+    message = (
+        f"{_STOPPED} {worker_index(strategy)} of {workers} at global batch "
+        f"size {batch_size}. A multi-worker job cannot halve its batch on "
+        "one worker while the others wait in the same collective, so every "
+        "worker has been stopped. Restart all workers with a smaller batch "
+        f"size (for example {max(batch_size // 2, workers)}); with "
+        "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
+        "among the callbacks, training resumes after the last completed "
+        f"epoch. {OOM_ADVICE}"
+    )
+    try:
+        context.context().report_error_to_cluster(
+            error_codes_pb2.RESOURCE_EXHAUSTED, message
+        )
+    except (tf.errors.OpError, ValueError, RuntimeError) as report_error:
+        # No coordination service: the others learn of it from the
+        # missing heartbeats instead, within about a minute.
+        logging.warning(
+            "Could not report the OOM to the other workers: %s", report_error
+        )
+    return OutOfMemoryError(message, (batch_size,))
+
+
+_STOPPED = "Out of memory on worker"
