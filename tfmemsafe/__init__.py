@@ -21,6 +21,11 @@ from tfmemsafe.memory import default_devices
 from tfmemsafe.memory import is_oom_error
 from tfmemsafe.memory import memory_info
 from tfmemsafe.memory import reset_peak_memory
+from tfmemsafe.recovery import OOMEvent
+from tfmemsafe.recovery import evaluate
+from tfmemsafe.recovery import find_max_batch_size
+from tfmemsafe.recovery import fit
+from tfmemsafe.recovery import predict
 from tfmemsafe.runtime import RuntimeConfig
 from tfmemsafe.runtime import configure
 from tfmemsafe.runtime import runtime_config
@@ -33,6 +38,7 @@ __all__ = [
     "InferenceMode",
     "MemoryInfo",
     "MemoryMonitor",
+    "OOMEvent",
     "OutOfMemoryError",
     "RuntimeConfig",
     "UnfreezeSummary",
@@ -40,9 +46,13 @@ __all__ = [
     "cache_features",
     "configure",
     "default_devices",
+    "evaluate",
+    "find_max_batch_size",
+    "fit",
     "fit_head",
     "is_oom_error",
     "memory_info",
+    "predict",
     "reset_peak_memory",
     "runtime_config",
     "testing",

@@ -1,0 +1,944 @@
+"""Tests for tfmemsafe.recovery: fit, evaluate, predict that survive OOM.
+
+`RealOutOfMemoryTest` runs its scenarios in child processes whose CPU
+allocator is capped (`tfmemsafe.testing.run_with_memory_cap`), so each
+out-of-memory error is a genuine `ResourceExhaustedError`. Each costs about
+ten seconds, the time TensorFlow's allocator waits for memory to be freed
+before it gives up; the scenarios start together when the class is set up,
+so those waits overlap. The other tests run in this process and raise
+`ResourceExhaustedError` from a callback where they need an error at an
+exact step.
+"""
+
+import concurrent.futures
+import csv
+import dataclasses
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfmemsafe
+from tfmemsafe import testing
+
+_MB = 1024 * 1024
+_CAP_MB = 300
+
+
+def _conv_net(seed=0, size=32, filters=16):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((size, size, 3)),
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(2 * filters, 3, padding="same"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _images(rows, size=32):
+    """Images whose class is the signs of their mean red and green."""
+    x = np.random.default_rng(0).normal(size=(rows, size, size, 3))
+    x = x.astype("float32")
+    means = x.mean(axis=(1, 2))
+    y = (means[:, 0] > 0).astype("int32") + 2 * (means[:, 1] > 0)
+    return x, y
+
+
+def _largest_difference(variables, others):
+    return max(
+        float(np.max(np.abs(a.numpy() - b.numpy())))
+        for a, b in zip(variables, others, strict=True)
+    )
+
+
+def _fit_epochs(model, x, y, batch_sizes, first_epoch=0):
+    """Trains as a run that never failed: each epoch whole at its size."""
+    for epoch, batch_size in enumerate(batch_sizes, start=first_epoch):
+        model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epoch + 1,
+            initial_epoch=epoch,
+            shuffle=False,
+            verbose=0,
+        )
+
+
+class _Ballast(keras.callbacks.Callback):
+    """Takes device memory at one step, and keeps it.
+
+    Like memory that something else in the process takes midway, it makes
+    the following steps run out at a batch size that fitted before. It is
+    taken in 1 MB pieces, as many small allocations would be, so that it
+    fits between the blocks the allocator has already carved.
+    """
+
+    def __init__(self, megabytes, step, epoch=None):
+        super().__init__()
+        self.megabytes = megabytes
+        self.at = (epoch, step)
+        self.epoch = None
+        self.pieces = []
+        self.predicted_rows = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def _maybe_take(self, batch):
+        if (self.epoch, batch) == self.at:
+            while len(self.pieces) < self.megabytes:
+                self.pieces.append(tf.zeros((_MB // 4,)))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._maybe_take(batch)
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._maybe_take(batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.predicted_rows.append(int(logs["outputs"].shape[0]))
+
+
+class _RaiseOutOfMemory(keras.callbacks.Callback):
+    """Raises a `ResourceExhaustedError` once at each given point.
+
+    `points` are `(phase, epoch, step)` with phase "train", "test" or
+    "epoch_end" (step ignored), or `("predict", None, step)`.
+    """
+
+    def __init__(self, *points):
+        super().__init__()
+        self.points = set(points)
+        self.epoch = None
+
+    def _maybe_raise(self, phase, step):
+        point = (phase, self.epoch, step)
+        if point in self.points:
+            self.points.discard(point)
+            raise tf.errors.ResourceExhaustedError(
+                None, None, f"OOM when allocating tensor (injected: {point})"
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._maybe_raise("train", batch)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._maybe_raise("test", batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._maybe_raise("epoch_end", None)
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._maybe_raise("predict", batch)
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Counts the hooks a run calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.train_begins = 0
+        self.train_ends = 0
+        self.epochs_begun = []
+        self.epochs_ended = []
+
+    def on_train_begin(self, logs=None):
+        self.train_begins += 1
+
+    def on_train_end(self, logs=None):
+        self.train_ends += 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs_begun.append(epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs_ended.append(epoch)
+
+
+# Scenarios run in child processes under the memory cap. Each returns what
+# the tests check, as JSON.
+
+
+def conv_net_under_cap():
+    """Batch 1024 does not fit; later, other memory use squeezes 512 out.
+
+    The data is a pipeline without prefetching, so that the memory of each
+    step does not depend on how far `tf.data` reads ahead.
+    """
+    x, y = _images(2048)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    result = {}
+    try:
+        _conv_net().fit(dataset.batch(1024), epochs=3, verbose=0)
+    except tf.errors.ResourceExhaustedError as err:
+        result["plain_fit_error"] = type(err).__name__
+    model = _conv_net()
+    recorder = _Recorder()
+    with tempfile.TemporaryDirectory() as directory:
+        csv_path = os.path.join(directory, "log.csv")
+        checkpoint = os.path.join(directory, "epoch{epoch}.weights.h5")
+        history = tfmemsafe.fit(
+            model,
+            dataset.batch,
+            batch_size=1024,
+            epochs=3,
+            callbacks=[
+                # Certain to squeeze 512 out; 256 fits beside it, or else
+                # 128 does.
+                _Ballast(120, epoch=1, step=1),
+                recorder,
+                keras.callbacks.CSVLogger(csv_path),
+                keras.callbacks.ModelCheckpoint(
+                    checkpoint, save_weights_only=True
+                ),
+            ],
+            verbose=0,
+        )
+        with open(csv_path) as f:
+            result["csv_epochs"] = [int(r["epoch"]) for r in csv.DictReader(f)]
+        result["checkpoints"] = sorted(os.listdir(directory))
+    # The same training without failures: each epoch whole at the batch
+    # size it finished with.
+    reference = _conv_net()
+    size = 1024
+    for epoch in range(3):
+        for event in history.oom_events:
+            if event.epoch == epoch:
+                size = event.batch_size_after
+        reference.fit(
+            dataset.batch(size),
+            epochs=epoch + 1,
+            initial_epoch=epoch,
+            verbose=0,
+        )
+    result.update(
+        events=[dataclasses.asdict(e) for e in history.oom_events],
+        loss=history.history["loss"],
+        epochs=history.epoch,
+        batch_size=history.batch_size,
+        finite=all(np.isfinite(w).all() for w in model.get_weights()),
+        difference_from_reference=_largest_difference(
+            model.variables + model.optimizer.variables,
+            reference.variables + reference.optimizer.variables,
+        ),
+        train_begins=recorder.train_begins,
+        train_ends=recorder.train_ends,
+        epochs_ended=recorder.epochs_ended,
+    )
+    return result
+
+
+def accumulating_model_under_cap():
+    """Batch 1024 x 2 accumulation steps does not fit; 512 x 4 does."""
+    x, y = _images(2048)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    model = tfmemsafe.with_gradient_accumulation(_conv_net(), 2)
+    history = tfmemsafe.fit(
+        model, dataset.batch, batch_size=1024, epochs=2, verbose=0
+    )
+    return {
+        "events": [dataclasses.asdict(e) for e in history.oom_events],
+        "accumulation_steps": model.accumulation_steps,
+        "batch_size": history.batch_size,
+        # One update per window of 2048 samples: one per epoch.
+        "iterations": int(model.optimizer.iterations),
+    }
+
+
+def model_too_big_for_the_cap():
+    """A model whose single sample needs more than the cap."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((512, 512, 3)),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    x = np.zeros((4, 512, 512, 3), "float32")
+    y = np.zeros((4,), "int32")
+    try:
+        tfmemsafe.fit(model, (x, y), batch_size=2, verbose=0)
+    except tfmemsafe.OutOfMemoryError as err:
+        return {
+            "message": str(err),
+            "tried": list(err.tried_batch_sizes),
+            "cause_is_oom": tfmemsafe.is_oom_error(err.__cause__),
+        }
+    return {"message": None}
+
+
+def predict_and_evaluate_under_cap():
+    """Prediction is squeezed midway; evaluation at 2048 does not fit."""
+    x, y = _images(3000)
+    model = _conv_net()
+    ballast = _Ballast(80, step=1)
+    predictions = tfmemsafe.predict(
+        model, x, batch_size=1024, callbacks=[ballast], verbose=0
+    )
+    ballast.pieces = []
+    reference = model.predict(x, batch_size=256, verbose=0)
+    return {
+        "rows": len(predictions),
+        "predicted_rows": ballast.predicted_rows,
+        "difference": float(np.max(np.abs(predictions - reference))),
+        "evaluate": tfmemsafe.evaluate(
+            model, (x, y), batch_size=2048, verbose=0
+        ),
+        "evaluate_reference": model.evaluate(x, y, batch_size=256, verbose=0),
+    }
+
+
+def find_max_batch_size_under_cap():
+    x, y = _images(2048)
+    model = _conv_net()
+    model.fit(x[:256], y[:256], batch_size=128, verbose=0)  # Adam has state.
+    state = model.variables + model.optimizer.variables
+    before = [v.numpy().copy() for v in state]
+    size = tfmemsafe.find_max_batch_size(model, (x, y), start=64)
+    unchanged = all(
+        np.array_equal(a, v.numpy()) for a, v in zip(before, state, strict=True)
+    )
+    model.fit(x, y, batch_size=size, epochs=1, verbose=0)
+    try:
+        model.fit(x, y, batch_size=2 * size, epochs=1, verbose=0)
+        double = "fits"
+    except tf.errors.ResourceExhaustedError:
+        double = "out of memory"
+    return {"size": size, "unchanged": unchanged, "double": double}
+
+
+def mirrored_strategy_under_cap():
+    """Two replicas: a global batch too large, then an exact resume."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x, y = _images(1024)
+    with strategy.scope():
+        model = _conv_net()
+    too_large = tfmemsafe.fit(model, (x, y), batch_size=1024, verbose=0)
+    # Here the error is raised at an exact step, to compare the resumed
+    # run with one that never failed.
+    with strategy.scope():
+        model = _conv_net()
+        reference = _conv_net()
+    resumed = tfmemsafe.fit(
+        model,
+        (x, y),
+        batch_size=512,
+        epochs=2,
+        callbacks=[_RaiseOutOfMemory(("train", 1, 1))],
+        shuffle=False,
+        verbose=0,
+    )
+    _fit_epochs(reference, x, y, [512, 256])
+    variables = model.variables + model.optimizer.variables
+    return {
+        "too_large_events": [
+            dataclasses.asdict(e) for e in too_large.oom_events
+        ],
+        "resumed_epochs": resumed.epoch,
+        "replicas_agree": all(
+            all(np.array_equal(r, v.value.values[0]) for r in v.value.values)
+            for v in variables
+        ),
+        "difference_from_reference": _largest_difference(
+            variables, reference.variables + reference.optimizer.variables
+        ),
+    }
+
+
+_SCENARIOS = {
+    conv_net_under_cap: _CAP_MB,
+    accumulating_model_under_cap: _CAP_MB,
+    model_too_big_for_the_cap: _CAP_MB,
+    predict_and_evaluate_under_cap: _CAP_MB,
+    find_max_batch_size_under_cap: _CAP_MB,
+    # Lower, so that a global batch of 1024 is well beyond what two
+    # replicas can hold.
+    mirrored_strategy_under_cap: 250,
+}
+
+
+def _dense_model(optimizer=None, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer or keras.optimizers.Adam(1e-2), "mse")
+    return model
+
+
+def _table(rows=256):
+    x = np.random.default_rng(1).normal(size=(rows, 4)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _data_of_kind(kind, x, y):
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    return {
+        "arrays": (x, y),
+        "unbatched_dataset": dataset,
+        "batched_dataset": dataset.batch(32),
+        "callable": lambda batch_size: dataset.batch(batch_size),
+    }[kind]
+
+
+_KINDS = (
+    ("arrays", "arrays"),
+    ("unbatched_dataset", "unbatched_dataset"),
+    ("batched_dataset", "batched_dataset"),
+    ("callable", "callable"),
+)
+
+
+def _fit_running_out(model, *points, callbacks=(), **kwargs):
+    """`tfmemsafe.fit` on the table at batch 32, running out at `points`."""
+    return tfmemsafe.fit(
+        model,
+        _table(),
+        batch_size=32,
+        callbacks=[_RaiseOutOfMemory(*points), *callbacks],
+        verbose=0,
+        **kwargs,
+    )
+
+
+class FitTest(parameterized.TestCase, tf.test.TestCase):
+    def assertSameState(self, model, reference):
+        self.assertEqual(
+            int(model.optimizer.iterations), int(reference.optimizer.iterations)
+        )
+        self.assertAllClose(
+            [v.numpy() for v in model.variables + model.optimizer.variables],
+            [
+                v.numpy()
+                for v in reference.variables + reference.optimizer.variables
+            ],
+        )
+
+    @parameterized.named_parameters(*_KINDS)
+    def test_every_data_kind_resumes_at_half_the_batch(self, kind):
+        x, y = _table()
+        history = tfmemsafe.fit(
+            _dense_model(),
+            _data_of_kind(kind, x, y),
+            batch_size=32,
+            epochs=3,
+            validation_data=_data_of_kind(kind, x, y),
+            callbacks=[_RaiseOutOfMemory(("train", 1, 2))],
+            verbose=0,
+        )
+        self.assertEqual(history.epoch, [0, 1, 2])
+        self.assertLen(history.history["val_loss"], 3)
+        self.assertEqual(history.batch_size, 16)
+        [event] = history.oom_events
+        self.assertEqual(
+            (event.epoch, event.step, event.phase), (1, 2, "training")
+        )
+        self.assertEqual(
+            (event.batch_size_before, event.batch_size_after), (32, 16)
+        )
+        self.assertIsNone(event.accumulation_steps)
+
+    def test_resumed_epoch_restores_loss_scale_optimizer_state(self):
+        x, y = _table()
+
+        def optimizer():
+            return keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.Adam(1e-2), initial_scale=2.0**10
+            )
+
+        model = _dense_model(optimizer())
+        _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
+        reference = _dense_model(optimizer())
+        _fit_epochs(reference, x, y, [32, 16, 16])
+        self.assertSameState(model, reference)
+
+    def test_accumulating_model_resumes_with_twice_the_steps(self):
+        # The error strikes mid-window (step 3 of windows of 2): the
+        # partial window is discarded with the rest of the epoch's state.
+        x, y = _table()
+
+        def accumulating(steps):
+            return tfmemsafe.with_gradient_accumulation(_dense_model(), steps)
+
+        model = accumulating(2)
+        history = _fit_running_out(
+            model, ("train", 1, 3), epochs=3, shuffle=False
+        )
+        [event] = history.oom_events
+        self.assertEqual(event.accumulation_steps, 4)
+        self.assertEqual(model.accumulation_steps, 4)
+        reference = accumulating(2)
+        _fit_epochs(reference, x, y, [32])
+        reference.accumulation_steps = 4
+        _fit_epochs(reference, x, y, [16, 16], first_epoch=1)
+        self.assertSameState(model, reference)
+
+    def test_validation_failure_halves_only_the_validation_batch(self):
+        history = _fit_running_out(
+            _dense_model(), ("test", 0, 1), epochs=2, validation_data=_table()
+        )
+        [event] = history.oom_events
+        self.assertEqual(event.phase, "validation")
+        self.assertEqual(
+            (event.batch_size_before, event.batch_size_after), (32, 16)
+        )
+        self.assertEqual(history.batch_size, 32)
+        self.assertEqual(history.epoch, [0, 1])
+
+    def test_early_stopping_patience_carries_across_retries(self):
+        # The loss never improves by 100, so patience 2 stops after epoch
+        # 2. Were `on_train_begin` called again on the retry at epoch 2,
+        # the count would restart and training would go on to epoch 4.
+        history = _fit_running_out(
+            _dense_model(),
+            ("train", 2, 0),
+            epochs=8,
+            callbacks=[
+                keras.callbacks.EarlyStopping("loss", min_delta=100, patience=2)
+            ],
+        )
+        self.assertEqual(history.epoch, [0, 1, 2])
+
+    def test_history_forgets_an_epoch_that_failed_after_it_was_recorded(self):
+        history = keras.callbacks.History()
+        returned = _fit_running_out(
+            _dense_model(),
+            ("epoch_end", 1, None),
+            epochs=3,
+            callbacks=[history],
+        )
+        self.assertIs(returned, history)
+        self.assertEqual(history.epoch, [0, 1, 2])
+        self.assertLen(history.history["loss"], 3)
+
+    def test_resumes_at_the_failed_epoch_after_backup_and_restore(self):
+        # BackupAndRestore resumes an interrupted run at epoch 2; the OOM
+        # in epoch 3 must resume at 3, not at the epoch it restored.
+        x, y = _table()
+        backup = os.path.join(self.get_temp_dir(), "backup")
+        with self.assertRaises(KeyboardInterrupt):
+            _dense_model().fit(
+                x,
+                y,
+                epochs=5,
+                callbacks=[
+                    keras.callbacks.BackupAndRestore(backup),
+                    keras.callbacks.LambdaCallback(
+                        on_epoch_begin=_interrupt_at_epoch_2
+                    ),
+                ],
+                verbose=0,
+            )
+        recorder = _Recorder()
+        history = tfmemsafe.fit(
+            _dense_model(),
+            (x, y),
+            batch_size=32,
+            epochs=5,
+            callbacks=[
+                keras.callbacks.BackupAndRestore(backup),
+                _RaiseOutOfMemory(("train", 3, 1)),
+                recorder,
+            ],
+            verbose=0,
+        )
+        self.assertEqual(recorder.epochs_begun, [2, 3, 3, 4])
+        self.assertEqual(history.epoch, [2, 3, 4])
+
+    def test_steps_per_epoch_doubles_with_the_halved_batch(self):
+        x, y = _table()
+        recorder = _StepCounter()
+        tfmemsafe.fit(
+            _dense_model(),
+            lambda batch_size: (
+                tf.data.Dataset.from_tensor_slices((x, y))
+                .repeat()
+                .batch(batch_size)
+            ),
+            batch_size=32,
+            epochs=2,
+            steps_per_epoch=4,
+            callbacks=[_RaiseOutOfMemory(("train", 0, 1)), recorder],
+            verbose=0,
+        )
+        self.assertEqual(recorder.steps, [8, 8])
+
+    def test_plain_model_warns_once_that_the_effective_batch_changes(self):
+        with self.assertLogs(level="WARNING") as logs:
+            history = _fit_running_out(
+                _dense_model(), ("train", 0, 0), ("train", 1, 0), epochs=2
+            )
+        self.assertEqual(history.batch_size, 8)
+        effective = [m for m in logs.output if "effective batch" in m]
+        self.assertLen(effective, 1)
+        self.assertLen([m for m in logs.output if "out of memory" in m], 2)
+
+    def test_max_retries_stops_with_out_of_memory_error(self):
+        with self.assertRaisesRegex(
+            tfmemsafe.OutOfMemoryError,
+            r"^Could not fit a training batch of 16 after trying 32, 16, and "
+            r"`max_retries` is used up",
+        ) as caught:
+            _fit_running_out(
+                _dense_model(), ("train", 0, 0), ("train", 0, 1), max_retries=1
+            )
+        self.assertIsInstance(
+            caught.exception.__cause__, tf.errors.ResourceExhaustedError
+        )
+        self.assertEqual(caught.exception.tried_batch_sizes, (32, 16))
+
+    def test_error_that_is_not_oom_propagates_unchanged_without_retry(self):
+        x, _ = _table()
+        bad_labels = np.zeros((len(x), 2), "int32")  # Sparse labels: (n,).
+
+        def classifier():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            model.compile("adam", "sparse_categorical_crossentropy")
+            return model
+
+        with self.assertRaises(ValueError) as plain:
+            classifier().fit(x, bad_labels, verbose=0)
+        recorder = _Recorder()
+        with self.assertRaises(ValueError) as caught:
+            tfmemsafe.fit(
+                classifier(), (x, bad_labels), callbacks=[recorder], verbose=0
+            )
+        self.assertEqual(str(caught.exception), str(plain.exception))
+        self.assertEqual(recorder.train_begins, 1)
+        self.assertEqual(recorder.epochs_begun, [0])
+
+    def test_keyboard_interrupt_propagates_without_retry(self):
+        x, y = _table()
+        recorder = _Recorder()
+        with self.assertRaises(KeyboardInterrupt):
+            tfmemsafe.fit(
+                _dense_model(),
+                (x, y),
+                epochs=3,
+                callbacks=[
+                    recorder,
+                    keras.callbacks.LambdaCallback(
+                        on_epoch_end=_interrupt_at_epoch_1
+                    ),
+                ],
+                verbose=0,
+            )
+        self.assertEqual(recorder.epochs_begun, [0, 1])
+
+    def test_auto_batch_size_uses_the_largest_that_was_tried(self):
+        # Without allocator statistics (no BFC cap here) only the data
+        # bounds the search: 64 rows.
+        x, y = _table(64)
+        history = tfmemsafe.fit(
+            _dense_model(), (x, y), batch_size="auto", verbose=0
+        )
+        self.assertEqual(history.batch_size, 64)
+
+
+def _interrupt_at_epoch_1(epoch, logs):
+    if epoch == 1:
+        raise KeyboardInterrupt
+
+
+def _interrupt_at_epoch_2(epoch, logs):
+    if epoch == 2:
+        raise KeyboardInterrupt
+
+
+class _StepCounter(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.steps.append(self._last + 1)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last = batch
+
+
+class PredictEvaluateTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(
+        *[(name, kind, 32) for name, kind in _KINDS],
+        # 25 halves to 12: 75 rows are done, not a whole number of batches.
+        ("odd_batch_size", "unbatched_dataset", 25),
+    )
+    def test_predict_keeps_every_row_in_order_after_halving(
+        self, kind, batch_size
+    ):
+        x, y = _table(250)
+        model = _dense_model()
+        data = x if kind == "arrays" else _data_of_kind(kind, x, y)
+        predictions = tfmemsafe.predict(
+            model,
+            data,
+            batch_size=batch_size,
+            callbacks=[_RaiseOutOfMemory(("predict", None, 3))],
+            verbose=0,
+        )
+        self.assertAllClose(predictions, model.predict(x, verbose=0))
+
+    def test_evaluate_covers_all_data_once_after_halving(self):
+        x, y = _table(250)
+        model = _dense_model()
+        result = tfmemsafe.evaluate(
+            model,
+            (x, y),
+            batch_size=64,
+            callbacks=[_RaiseOutOfMemory(("test", None, 2))],
+            verbose=0,
+            return_dict=True,
+        )
+        expected = model.evaluate(x, y, verbose=0, return_dict=True)
+        self.assertAllClose(result, expected)
+
+
+class FindMaxBatchSizeTest(tf.test.TestCase):
+    def test_leaves_weights_and_loss_scale_optimizer_as_found(self):
+        x, y = _table(512)
+        model = _dense_model(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+        )
+        model.fit(x, y, batch_size=64, verbose=0)
+        state = model.variables + model.optimizer.variables
+        before = [v.numpy().copy() for v in state]
+        size = tfmemsafe.find_max_batch_size(
+            model, (x, y), start=32, max_batch_size=64
+        )
+        self.assertEqual(size, 64)  # No statistics here: only the bound.
+        for expected, variable in zip(before, state, strict=True):
+            self.assertAllEqual(expected, variable.numpy(), msg=variable.path)
+
+    def test_builds_the_optimizer_so_a_fresh_one_stays_fresh(self):
+        x, y = _table(64)
+        model = _dense_model()
+        self.assertFalse(model.optimizer.built)
+        tfmemsafe.find_max_batch_size(model, (x, y), max_batch_size=32)
+        self.assertEqual(int(model.optimizer.iterations), 0)
+        for variable in model.optimizer.variables[2:]:  # Moments.
+            self.assertAllEqual(variable.numpy(), np.zeros(variable.shape))
+
+
+class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(
+        ("string", "images/"),
+        ("single_array", np.zeros((4, 4))),
+        ("four_arrays", (np.zeros(4),) * 4),
+        ("generator", (i for i in range(3))),
+    )
+    def test_unknown_data_kind_raises_type_error(self, data):
+        with self.assertRaisesRegex(TypeError, r"^`data` must be a callable"):
+            tfmemsafe.fit(_dense_model(), data)
+
+    @parameterized.named_parameters(
+        ("min_batch_size", {"min_batch_size": 0}, "min_batch_size"),
+        ("max_retries", {"max_retries": -1}, "max_retries"),
+        ("batch_size", {"batch_size": 0}, "batch_size"),
+        ("epochs", {"epochs": 0}, "epochs"),
+    )
+    def test_out_of_range_argument_raises_value_error(self, kwargs, name):
+        x, y = _table(8)
+        with self.assertRaisesRegex(
+            ValueError, rf"^`{name}` must be an integer"
+        ):
+            tfmemsafe.fit(_dense_model(), (x, y), **kwargs)
+
+    def test_callable_data_needs_a_batch_size(self):
+        with self.assertRaisesRegex(ValueError, r"^`batch_size` is required"):
+            tfmemsafe.fit(_dense_model(), lambda b: None)
+
+    def test_callable_must_return_a_dataset(self):
+        with self.assertRaisesRegex(TypeError, r"^`data` must return a tf"):
+            tfmemsafe.fit(_dense_model(), lambda b: [1, 2], batch_size=2)
+
+    def test_x_keyword_is_rejected(self):
+        x, y = _table(8)
+        with self.assertRaisesRegex(TypeError, r"^`x` is not an argument"):
+            tfmemsafe.fit(_dense_model(), (x, y), x=x)
+
+    def test_uncompiled_model_is_rejected(self):
+        x, y = _table(8)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        with self.assertRaisesRegex(ValueError, r"^`model` must be compiled"):
+            tfmemsafe.fit(model, (x, y))
+
+    def test_headroom_must_be_a_fraction(self):
+        x, y = _table(8)
+        with self.assertRaisesRegex(ValueError, r"^`headroom` must be"):
+            tfmemsafe.find_max_batch_size(_dense_model(), (x, y), headroom=1)
+
+
+class RealOutOfMemoryTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # The scenarios run side by side, each in its own process: most of
+        # their time is the allocator's ten-second waits, which need no CPU.
+        cls._pool = concurrent.futures.ThreadPoolExecutor(len(_SCENARIOS))
+        cls._results = {
+            scenario: cls._pool.submit(
+                testing.run_with_memory_cap, scenario, cap_mb
+            )
+            for scenario, cap_mb in _SCENARIOS.items()
+        }
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._pool.shutdown(wait=True)
+        super().tearDownClass()
+
+    def result(self, scenario):
+        return self._results[scenario].result()
+
+    def test_fit_finishes_every_epoch_where_plain_fit_runs_out(self):
+        result = self.result(conv_net_under_cap)
+        self.assertEqual(result["plain_fit_error"], "ResourceExhaustedError")
+        self.assertLen(result["loss"], 3)
+        self.assertEqual(result["epochs"], [0, 1, 2])
+        self.assertLess(result["loss"][-1], result["loss"][0])
+        self.assertTrue(result["finite"])
+        first, *squeezed = [
+            (
+                e["epoch"],
+                e["step"],
+                e["batch_size_before"],
+                e["batch_size_after"],
+            )
+            for e in result["events"]
+        ]
+        self.assertEqual(first, (0, 0, 1024, 512), msg=result["events"])
+        # The squeeze from epoch 1, step 1 on halves 512 midway through the
+        # epoch (at step 1, or a step later if the allocator found room
+        # once), and 256 too if its fragments leave too little room.
+        epoch, step, before, after = squeezed[0]
+        self.assertEqual((epoch, before, after), (1, 512, 256))
+        self.assertGreaterEqual(step, 1)
+        self.assertEqual(
+            {event[0] for event in squeezed}, {1}, msg=result["events"]
+        )
+        self.assertEqual(result["batch_size"], squeezed[-1][3])
+        self.assertIn("OOM when allocating", result["events"][0]["error"])
+
+    def test_resumed_epoch_matches_training_that_never_failed(self):
+        # Steps of epoch 1 ran at 512 before the squeeze; had they not
+        # been undone (weights, Adam's moments and iteration count), the
+        # result would differ from this run that never failed.
+        result = self.result(conv_net_under_cap)
+        self.assertLess(result["difference_from_reference"], 1e-6)
+
+    def test_callbacks_see_one_run_across_retries(self):
+        result = self.result(conv_net_under_cap)
+        self.assertEqual(result["train_begins"], 1)
+        self.assertEqual(result["train_ends"], 1)
+        self.assertEqual(result["epochs_ended"], [0, 1, 2])
+        # CSVLogger(append=False) would empty its file on a second
+        # on_train_begin.
+        self.assertEqual(result["csv_epochs"], [0, 1, 2])
+        self.assertEqual(
+            result["checkpoints"],
+            [
+                "epoch1.weights.h5",
+                "epoch2.weights.h5",
+                "epoch3.weights.h5",
+                "log.csv",
+            ],
+        )
+
+    def test_accumulating_model_keeps_its_effective_batch(self):
+        result = self.result(accumulating_model_under_cap)
+        [event] = result["events"]
+        self.assertEqual(
+            (event["batch_size_before"], event["batch_size_after"]),
+            (1024, 512),
+        )
+        self.assertEqual(event["accumulation_steps"], 4)
+        self.assertEqual(result["accumulation_steps"], 4)
+        self.assertEqual(result["batch_size"] * 4, 1024 * 2)
+        self.assertEqual(result["iterations"], 2)
+
+    def test_model_that_never_fits_raises_out_of_memory_error(self):
+        result = self.result(model_too_big_for_the_cap)
+        self.assertEqual(result["tried"], [2, 1])
+        self.assertRegex(
+            result["message"],
+            r"^Could not fit a training batch of 1 after trying 2, 1, and "
+            r"half of it would be below `min_batch_size`=1\. Instead, try "
+            r"mixed precision",
+        )
+        self.assertTrue(result["cause_is_oom"])
+
+    def test_evaluate_starts_again_at_half_the_batch(self):
+        result = self.result(predict_and_evaluate_under_cap)
+        self.assertAllClose(
+            result["evaluate"], result["evaluate_reference"], rtol=1e-5
+        )
+
+    def test_predict_returns_every_row_in_order_after_halving_midway(self):
+        result = self.result(predict_and_evaluate_under_cap)
+        self.assertEqual(result["rows"], 3000)
+        # Batch 0 ran at 1024 and was kept; batch 1 ran out; the rest ran
+        # smaller. Batches that failed are not counted here, so the sum
+        # shows that no row was predicted twice or skipped.
+        rows = result["predicted_rows"]
+        self.assertEqual(rows[0], 1024)
+        self.assertLess(max(rows[1:]), 1024)
+        self.assertEqual(sum(rows), 3000)
+        self.assertLess(result["difference"], 1e-5)
+
+    def test_found_batch_size_trains_and_twice_it_does_not(self):
+        result = self.result(find_max_batch_size_under_cap)
+        self.assertGreaterEqual(result["size"], 64)
+        self.assertEqual(result["double"], "out of memory")
+
+    def test_find_max_batch_size_leaves_weights_and_optimizer_as_found(self):
+        result = self.result(find_max_batch_size_under_cap)
+        self.assertTrue(result["unchanged"])
+
+    def test_global_batch_halves_under_a_mirrored_strategy(self):
+        result = self.result(mirrored_strategy_under_cap)
+        [event] = result["too_large_events"]
+        self.assertEqual(
+            (event["batch_size_before"], event["batch_size_after"]),
+            (1024, 512),
+        )
+        self.assertIn("OOM when allocating", event["error"])
+
+    def test_mirrored_variables_are_restored_on_every_replica(self):
+        result = self.result(mirrored_strategy_under_cap)
+        self.assertEqual(result["resumed_epochs"], [0, 1])
+        self.assertTrue(result["replicas_agree"])
+        self.assertLess(result["difference_from_reference"], 1e-6)
+
+
+if __name__ == "__main__":
+    tf.test.main()
