@@ -15,6 +15,8 @@ from tfmemsafe.backbones import cache_features
 from tfmemsafe.backbones import fit_head
 from tfmemsafe.backbones import unfreeze
 from tfmemsafe.callbacks import MemoryMonitor
+from tfmemsafe.checkpointing import Checkpointed
+from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulatingModel",
+    "Checkpointed",
     "GradientAccumulator",
     "InferenceMode",
     "MemoryInfo",
@@ -44,6 +47,7 @@ __all__ = [
     "UnfreezeSummary",
     "build_frozen_mobilenet_v2",
     "cache_features",
+    "checkpoint_blocks",
     "configure",
     "default_devices",
     "evaluate",
