@@ -22,6 +22,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import accumulation
+from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.errors import OOM_ADVICE
 from tfmemsafe.errors import OutOfMemoryError
@@ -623,6 +624,11 @@ class _FitRun:
             except Exception as err:
                 if not memory.is_oom_error(err):
                     raise
+                strategy = self.model.distribute_strategy
+                if distribute.is_multi_worker(strategy):
+                    raise distribute.stop_all_workers(
+                        err, self.training.batch_size, strategy
+                    ) from err
                 event = self._next_sizes(err)
             # Out of the `except` block the failed attempt's frames, and
             # the tensors they hold, can be freed.
@@ -945,6 +951,13 @@ def _search_max_batch_size(
                 good = size
             elif smallest:  # It trains, only without the headroom.
                 good = size
+                logging.warning(
+                    "tfmemsafe.find_max_batch_size: even batch %d leaves "
+                    "less than %.0f%% of the memory free. %s",
+                    size,
+                    100 * headroom,
+                    OOM_ADVICE,
+                )
             else:
                 bad, size = size, size // 2
         while bad is None and good < largest:  # Grow.
