@@ -1,4 +1,4 @@
-"""Trains a CNN from scratch on CIFAR-10 (or digits) without running out.
+r"""Trains a CNN from scratch on CIFAR-10 (or digits) without running out.
 
 A VGG-style network (blocks of two 3x3 convolutions with batch
 normalization, then max-pooling) is trained through `tfmemsafe.fit`: when
@@ -15,10 +15,11 @@ minute on two CPU cores):
 
 Watch an out-of-memory error happen and be recovered from, on a CPU:
 
-    python examples/cifar10_cnn.py --dataset=digits --batch_size=512 \
-        --memory_cap_mb=160
+    python examples/cifar10_cnn.py --dataset=digits --batch_size=256 \
+        --memory_cap_mb=240
 
-CIFAR-10 itself (downloaded by tensorflow_datasets the first time):
+CIFAR-10 itself (downloaded by tensorflow_datasets the first time), with
+updates of 256 samples made of two batches of 128:
 
     python examples/cifar10_cnn.py --epochs=30 --accumulation_steps=2
 """
@@ -32,6 +33,9 @@ from absl import app
 from absl import flags
 
 import tfmemsafe
+
+# --help lists the flags every example takes, too.
+flags.adopt_module_key_flags(common)
 
 _FILTERS = flags.DEFINE_list(
     "filters",

@@ -1,4 +1,4 @@
-"""Trains a DCGAN on CIFAR-10 (or digits), with gradient accumulation.
+r"""Trains a DCGAN on CIFAR-10 (or digits), with gradient accumulation.
 
 Two networks, each with its own Adam optimizer (wrapped in a
 `keras.optimizers.LossScaleOptimizer` under mixed precision) and its own
@@ -24,6 +24,9 @@ from absl import app
 from absl import flags
 
 import tfmemsafe
+
+# --help lists the flags every example takes, too.
+flags.adopt_module_key_flags(common)
 
 _LATENT_DIM = flags.DEFINE_integer(
     "latent_dim", 128, "Size of the generator's input noise.", lower_bound=1
@@ -247,8 +250,6 @@ class SampleGrid(keras.callbacks.Callback):
 
 def _save_grid(images: np.ndarray, side: int, path: str) -> None:
     """Tiles images in [-1, 1] into a side x side grid with 2-pixel gaps."""
-    from matplotlib import image as mpimg
-
     pixels = np.clip((images + 1.0) * 127.5, 0, 255).astype(np.uint8)
     height, width, channels = pixels.shape[1:]
     gap = 2
@@ -262,7 +263,7 @@ def _save_grid(images: np.ndarray, side: int, path: str) -> None:
         top = gap + row * (height + gap)
         left = gap + column * (width + gap)
         grid[top : top + height, left : left + width] = image
-    mpimg.imsave(path, grid)
+    keras.utils.save_img(path, grid, scale=False)
 
 
 def main(argv):

@@ -1,4 +1,4 @@
-"""Transfer learning on CIFAR-10 (or digits) with a frozen MobileNetV2.
+r"""Transfer learning on CIFAR-10 (or digits) with a frozen MobileNetV2.
 
 Phase 1 trains a classifier head on a frozen MobileNetV2 backbone, which
 needs no gradients and keeps no activations for the backward pass, so it
@@ -32,6 +32,9 @@ from absl import flags
 
 import tfmemsafe
 from tfmemsafe import backbones
+
+# --help lists the flags every example takes, too.
+flags.adopt_module_key_flags(common)
 
 _WEIGHTS = flags.DEFINE_string(
     "weights",
@@ -199,8 +202,16 @@ def _train_head(model, batch_size, directory) -> common.Run:
 
 def _fine_tune(model, batch_size, directory) -> common.Run:
     """Phase 2: unfreezes the top of the backbone and trains on."""
-    layers = _FINE_TUNE_LAYERS.value or None
-    print(tfmemsafe.unfreeze(model, last_n_layers=layers), flush=True)
+    unfrozen = tfmemsafe.unfreeze(
+        model, last_n_layers=_FINE_TUNE_LAYERS.value or None
+    )
+    print(
+        f"Fine-tuning {len(unfrozen.layers)} layers of {unfrozen.backbone} "
+        f"({unfrozen.trainable_params:,} parameters; "
+        f"{len(unfrozen.frozen_batchnorm)} BatchNormalization layers kept "
+        "frozen).",
+        flush=True,
+    )
     _compile(model, _FINE_TUNE_LEARNING_RATE.value)
     monitor, callbacks = common.callbacks(directory, append=True)
     history = tfmemsafe.fit(

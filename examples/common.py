@@ -100,15 +100,26 @@ _CAPPED_RUN_TIMEOUT = 7 * 24 * 3600
 class Run:
     """One `tfmemsafe.fit` (or `fit_head`) call, for the summary.
 
+    Create it right after the call: it reads the model's
+    `accumulation_steps` then, before a later run can change them.
+
     Attributes:
         name: What the run trained, e.g. `"training"` or `"fine-tuning"`.
         history: The `keras.callbacks.History` it returned.
         monitor: The `tfmemsafe.MemoryMonitor` it was given.
+        accumulation_steps: The model's `accumulation_steps` at the end of
+            the run, or `None` for a model without.
     """
 
     name: str
     history: keras.callbacks.History
     monitor: tfmemsafe.MemoryMonitor
+    accumulation_steps: int | None = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.accumulation_steps = getattr(
+            self.history.model, "accumulation_steps", None
+        )
 
 
 def batch_size() -> int | str:
@@ -340,9 +351,7 @@ def _report(run: Run) -> dict:
         "name": run.name,
         "epochs": len(run.history.epoch),
         "batch_size": getattr(run.history, "batch_size", None),
-        "accumulation_steps": getattr(
-            run.history.model, "accumulation_steps", None
-        ),
+        "accumulation_steps": run.accumulation_steps,
         "peak_memory_mb": {d: round(mb, 1) for d, mb in peaks.items()},
         "memory_limit_mb": limits,
         "oom_recoveries": [
