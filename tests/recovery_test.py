@@ -528,6 +528,17 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertEqual(history.epoch, [0, 1, 2])
 
+    def test_memory_monitor_records_every_attempt_as_one_run(self):
+        monitor = tfmemsafe.MemoryMonitor(verbose=0)
+        history = _fit_running_out(
+            _dense_model(), ("train", 1, 2), epochs=3, callbacks=[monitor]
+        )
+        self.assertLen(history.history["memory_peak_mb"], 3)
+        # Its readings of the failed attempt (epoch 1, steps 0 and 1) are
+        # kept, before those of the retried epoch 1.
+        epochs = [s.epoch for s in monitor.samples if s.phase == "train"]
+        self.assertEqual(epochs, [0] * 8 + [1] * 2 + [1] * 16 + [2] * 16)
+
     def test_history_forgets_an_epoch_that_failed_after_it_was_recorded(self):
         history = keras.callbacks.History()
         returned = _fit_running_out(
