@@ -168,7 +168,9 @@ class DCGAN(tfmemsafe.AccumulatingModel):
             d_loss = self.bce(
                 tf.fill(tf.shape(real_logits), 0.9), real_logits
             ) + self.bce(tf.zeros_like(fake_logits), fake_logits)
-            scaled = self.discriminator_optimizer.scale_loss(d_loss)
+            scaled = self.discriminator_optimizer.scale_loss(
+                _per_replica(d_loss)
+            )
         self._accumulate(
             tape.gradient(scaled, self.discriminator.trainable_variables),
             self.discriminator,
@@ -182,7 +184,7 @@ class DCGAN(tfmemsafe.AccumulatingModel):
             fake_logits = self.discriminator(fake, training=True)
             # The generator wins when its images are taken for real.
             g_loss = self.bce(tf.ones_like(fake_logits), fake_logits)
-            scaled = self.generator_optimizer.scale_loss(g_loss)
+            scaled = self.generator_optimizer.scale_loss(_per_replica(g_loss))
         self._accumulate(
             tape.gradient(scaled, self.generator.trainable_variables),
             self.generator,
@@ -211,7 +213,17 @@ class DCGAN(tfmemsafe.AccumulatingModel):
         accumulator.apply_if_ready(optimizer)
 
 
+def _per_replica(loss):
+    """Divides a loss by the replicas in sync, as Keras' `compute_loss` does.
+
+    The optimizer sums the replicas' gradients, so each replica
+    differentiates its share of the mean loss.
+    """
+    return loss / tf.distribute.get_strategy().num_replicas_in_sync
+
+
 def _loss_scaled(optimizer):
+    """`optimizer`, in a `LossScaleOptimizer` under mixed_float16."""
     if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer
     ):

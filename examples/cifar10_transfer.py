@@ -212,7 +212,8 @@ def _fine_tune(model, batch_size, directory) -> common.Run:
         "frozen).",
         flush=True,
     )
-    _compile(model, _FINE_TUNE_LEARNING_RATE.value)
+    with common.distribution_strategy().scope():
+        _compile(model, _FINE_TUNE_LEARNING_RATE.value)
     monitor, callbacks = common.callbacks(directory, append=True)
     history = tfmemsafe.fit(
         model,
