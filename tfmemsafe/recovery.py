@@ -913,6 +913,8 @@ class _ResumableCallbackList(keras.callbacks.CallbackList):
             self._in_begin_end_block_count = 1
         own = {id(c) for c in self._own}
         self.callbacks = [c for c in self.callbacks if id(c) in own]
+        # The dropped callbacks' ids may be reused by new objects.
+        self._started &= own
 
 
 class _OutputCollector(keras.callbacks.Callback):
