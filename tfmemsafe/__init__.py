@@ -4,6 +4,8 @@ Importing it turns on GPU memory growth and picks the dtype policy (see
 `tfmemsafe.configure`); set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
 """
 
+from tfmemsafe import data
+from tfmemsafe import distribute
 from tfmemsafe import testing
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.accumulation import GradientAccumulator
@@ -17,6 +19,7 @@ from tfmemsafe.backbones import unfreeze
 from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
+from tfmemsafe.errors import DatasetUnavailableError
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
@@ -37,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulatingModel",
     "Checkpointed",
+    "DatasetUnavailableError",
     "GradientAccumulator",
     "InferenceMode",
     "MemoryInfo",
@@ -49,7 +53,9 @@ __all__ = [
     "cache_features",
     "checkpoint_blocks",
     "configure",
+    "data",
     "default_devices",
+    "distribute",
     "evaluate",
     "find_max_batch_size",
     "fit",
