@@ -151,6 +151,16 @@ class ExamplesTest(parameterized.TestCase, tf.test.TestCase):
         images = np.zeros((2, 32, 32, 3), np.uint8)
         self.assertEqual(model.predict(images, verbose=0).shape, (2, 10))
 
+    def test_auto_batch_size_is_searched_and_reported(self):
+        model_dir = self._model_dir()
+        with tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES):
+            summary = _run(
+                "cnn", dataset="cifar10", batch_size="auto", model_dir=model_dir
+            )
+        # Without a memory limit in reach, the search stops at the number
+        # of training samples.
+        self.assertEqual(summary["runs"][0]["batch_size"], _MOCK_EXAMPLES)
+
     def test_transfer_caches_features_then_fine_tunes_on_mock_cifar10(self):
         model_dir = self._model_dir()
         with tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES):
