@@ -22,6 +22,12 @@ CIFAR-10 itself (downloaded by tensorflow_datasets the first time), with
 updates of 256 samples made of two batches of 128:
 
     python examples/cifar10_cnn.py --epochs=30 --accumulation_steps=2
+
+With TF_CONFIG set on each machine, the same command trains as one worker
+of a MultiWorkerMirroredStrategy job: worker 0 writes the outputs and backs
+up every epoch, so a job restarted after a failure (say, at a smaller
+--batch_size after running out of memory) resumes. See
+docs/multi-worker.md.
 """
 
 import math
@@ -140,7 +146,9 @@ def main(argv):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-    monitor, callbacks = common.callbacks(setup.directory)
+    monitor, callbacks = common.callbacks(
+        setup.directory, backup_dir=setup.backup_dir
+    )
     # Cosine decay by epoch: whatever batch size the run ends up with, the
     # last epochs settle at a small learning rate.
     callbacks.append(

@@ -8,6 +8,7 @@ the data, the callbacks and the closing summary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -145,13 +146,17 @@ class Setup:
 
     Attributes:
         batch_size: The --batch_size flag, an int or `"auto"`.
-        directory: The output directory, created.
+        directory: The output directory, created. On worker `i > 0` of a
+            multi-worker job, its `worker_<i>` subdirectory.
         started: `time.time()` when `set_up` was called.
+        backup_dir: In a multi-worker job, where the chief backs up each
+            epoch for a restart to resume from; else `None`.
     """
 
     batch_size: int | str
     directory: str
     started: float
+    backup_dir: str | None = None
 
 
 def set_up(script_path: str, argv: list[str]) -> Setup | None:
@@ -184,10 +189,31 @@ def set_up(script_path: str, argv: list[str]) -> Setup | None:
     if _rerun_under_memory_cap(script_path):
         return None
     _configure_runtime()
+    strategy = distribution_strategy()
     script = os.path.splitext(os.path.basename(script_path))[0]
     directory = MODEL_DIR.value or os.path.join("model_dir", script)
+    backup_dir = None
+    if tfmemsafe.distribute.is_multi_worker(strategy):
+        # Worker 0 writes the job's outputs; the others keep their own
+        # (their memory plots and summaries) apart. All restore from the
+        # chief's backup after a restart.
+        backup_dir = os.path.join(directory, "backup")
+        index = tfmemsafe.distribute.worker_index(strategy)
+        if index:
+            directory = os.path.join(directory, f"worker_{index}")
+        print(
+            f"Worker {index} of {strategy.extended._num_workers}, "
+            f"{strategy.num_replicas_in_sync} replicas in all; outputs in "
+            f"{directory}.",
+            flush=True,
+        )
     os.makedirs(directory, exist_ok=True)
-    return Setup(batch_size=size, directory=directory, started=started)
+    return Setup(
+        batch_size=size,
+        directory=directory,
+        started=started,
+        backup_dir=backup_dir,
+    )
 
 
 def _rerun_under_memory_cap(script_path: str) -> bool:
@@ -258,8 +284,35 @@ def _configure_runtime() -> tfmemsafe.RuntimeConfig:
 
 
 def distribution_strategy() -> tf.distribute.Strategy:
-    """The strategy to build and train under: the default one-device one."""
-    return tf.distribute.get_strategy()
+    """The strategy to build and train under.
+
+    A `tf.distribute.MultiWorkerMirroredStrategy` when `TF_CONFIG` names a
+    cluster: this process is then one worker of a job that trains on
+    several machines (see docs/multi-worker.md). Otherwise the default,
+    one-device strategy.
+
+    Raises:
+        app.UsageError: If `TF_CONFIG` is set but is not JSON.
+    """
+    raw = os.environ.get("TF_CONFIG", "").strip()
+    if not raw:
+        return tf.distribute.get_strategy()
+    try:
+        cluster = json.loads(raw).get("cluster")
+    except (ValueError, AttributeError) as err:
+        raise app.UsageError(
+            f"TF_CONFIG must be a JSON object. Received: {raw!r:.80} ({err})"
+        ) from err
+    if not cluster:
+        return tf.distribute.get_strategy()
+    return _multi_worker_strategy()
+
+
+@functools.cache
+def _multi_worker_strategy() -> tf.distribute.Strategy:
+    # Made once per process, before other TensorFlow work, as the
+    # strategy requires.
+    return tf.distribute.MultiWorkerMirroredStrategy()
 
 
 def load(split: str, *, augment: bool = False) -> tf.data.Dataset:
@@ -279,7 +332,7 @@ def load(split: str, *, augment: bool = False) -> tf.data.Dataset:
 
 
 def callbacks(
-    directory: str, *, append: bool = False
+    directory: str, *, append: bool = False, backup_dir: str | None = None
 ) -> tuple[tfmemsafe.MemoryMonitor, list[keras.callbacks.Callback]]:
     """A `MemoryMonitor`, and the callbacks for `fit` that include it.
 
@@ -287,12 +340,20 @@ def callbacks(
         directory: Where `history.csv` is written.
         append: Append to `history.csv` (for a second training phase)
             instead of starting it again.
+        backup_dir: With a directory, a
+            `tfmemsafe.distribute.MultiWorkerBackupAndRestore` too, so that
+            a restarted multi-worker job resumes (`Setup.backup_dir`).
     """
     monitor = tfmemsafe.MemoryMonitor()
     csv_logger = keras.callbacks.CSVLogger(
         os.path.join(directory, "history.csv"), append=append
     )
-    return monitor, [monitor, csv_logger]
+    extra = []
+    if backup_dir:
+        extra.append(
+            tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)
+        )
+    return monitor, [monitor, csv_logger, *extra]
 
 
 def summarize(

@@ -74,6 +74,21 @@ def _history(directory: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _run_cnn_as_a_worker(model_dir: str) -> dict:
+    """In a worker process of a local cluster: the CNN script's main."""
+    setUpModule()
+    settings = {**_SHORT, **_TINY["cnn"], "dataset": "digits"}
+    with flagsaver.flagsaver(**settings, model_dir=model_dir):
+        cifar10_cnn.main(["program"])
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    directory = (
+        os.path.join(model_dir, f"worker_{index}") if index else model_dir
+    )
+    with open(os.path.join(directory, "summary.json")) as f:
+        summary = json.load(f)
+    return {"summary": summary, "files": sorted(os.listdir(directory))}
+
+
 def _run_dcgan_in_mixed_precision(model_dir: str) -> dict:
     """In a fresh process: the DCGAN under mixed_float16 (global policy)."""
     sys.path.insert(0, _EXAMPLES)
@@ -280,6 +295,32 @@ class ExamplesTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIn("--data_dir", message)
         self.assertIn("--dataset=digits", message)
         self.assertIn("Name or service not known", message)
+
+    def test_cnn_runs_as_two_workers_when_tf_config_is_set(self):
+        model_dir = self._model_dir()
+        chief, other = tfmemsafe.testing.run_workers(
+            _run_cnn_as_a_worker,
+            2,
+            args=[model_dir],
+            env={"CUDA_VISIBLE_DEVICES": ""},
+            timeout=300,
+        )
+        self.assertEqual(
+            os.path.dirname(chief["summary"]["outputs"][0]), model_dir
+        )
+        self.assertEqual(
+            os.path.dirname(other["summary"]["outputs"][0]),
+            os.path.join(model_dir, "worker_1"),
+        )
+        for worker in (chief, other):
+            self.assertIn("model.keras", worker["files"])
+            self.assertIn("history.csv", worker["files"])
+        # One model trained together: the same result on both workers.
+        self.assertEqual(
+            chief["summary"]["results"], other["summary"]["results"]
+        )
+        # The chief's epoch backup is removed when training completes.
+        self.assertFalse(os.path.exists(os.path.join(model_dir, "backup")))
 
     @parameterized.named_parameters(
         ("batch_size", "cnn", {"batch_size": "0"}, r"--batch_size must be"),
