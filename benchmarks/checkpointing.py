@@ -8,7 +8,9 @@ the peak it reports is exact:
 - `none`: no checkpointing.
 - `per_block`: every block wrapped in `tfmemsafe.Checkpointed`.
 - `segments`: `tfmemsafe.checkpoint_blocks(blocks)`, about sqrt(n)
-  checkpointed segments.
+  segments, all but the last recomputed.
+- `segments_all`: the same with `checkpoint_last=True`: every segment is
+  recomputed.
 - `remat_scope`: the model built inside `keras.RematScope(mode="full")`,
   Keras' own rematerialization.
 
@@ -26,7 +28,7 @@ import time
 from absl import app
 from absl import flags
 
-VARIANTS = ("none", "per_block", "segments", "remat_scope")
+VARIANTS = ("none", "per_block", "segments", "segments_all", "remat_scope")
 
 _BLOCKS = flags.DEFINE_integer("blocks", 12, "Residual blocks in the stack.")
 _SIZE = flags.DEFINE_integer("size", 64, "Input height and width.")
@@ -77,6 +79,8 @@ def build_model(variant, blocks, size, channels):
             stack = [tfmemsafe.Checkpointed(block) for block in stack]
         elif variant == "segments":
             stack = tfmemsafe.checkpoint_blocks(stack)
+        elif variant == "segments_all":
+            stack = tfmemsafe.checkpoint_blocks(stack, checkpoint_last=True)
         inputs = keras.Input((size, size, channels))
         x = inputs
         for layer in stack:

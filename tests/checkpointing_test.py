@@ -243,6 +243,51 @@ class CheckpointedTest(parameterized.TestCase, tf.test.TestCase):
         self.assertNotAllClose(masks[0], masks[1])  # Seeds still advance.
 
     @parameterized.named_parameters(
+        (
+            "augmentation",
+            lambda: [
+                keras.layers.RandomFlip(seed=1),
+                keras.layers.RandomRotation(0.1, seed=2),
+                keras.layers.RandomZoom(0.1, seed=3),
+            ],
+        ),
+        (
+            "noise",
+            lambda: [
+                keras.layers.GaussianNoise(0.1),
+                keras.layers.GaussianDropout(0.2),
+                keras.layers.AlphaDropout(0.2),
+                keras.layers.SpatialDropout2D(0.2),
+            ],
+        ),
+    )
+    def test_keras_random_layers_get_the_gradient_of_their_forward_pass(
+        self, make_layers
+    ):
+        block = keras.Sequential(
+            [keras.layers.Conv2D(3, 3, padding="same"), *make_layers()]
+        )
+        wrapper = tfmemsafe.Checkpointed(block)
+        x = tf.random.normal((4, 8, 8, 3))
+        wrapper.build(x.shape)
+        seeds = [v for v in block.non_trainable_variables]
+        initial_seeds = _values(seeds)
+
+        @tf.function
+        def outputs_and_gradients(layer):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                outputs = layer(x, training=True)
+                loss = tf.reduce_sum(outputs**2)
+            return outputs, tape.gradient(loss, [x, *block.trainable_weights])
+
+        actual = outputs_and_gradients(wrapper)
+        for seed, value in zip(seeds, initial_seeds, strict=True):
+            seed.assign(value)
+        expected = outputs_and_gradients(block)  # Same random numbers.
+        self.assertAllClose(actual, expected, atol=1e-5)
+
+    @parameterized.named_parameters(
         ("uniform_eager", "uniform", True),
         ("uniform_fit", "uniform", False),
         ("tf_nn_dropout_fit", "dropout", False),
@@ -321,12 +366,15 @@ class CheckpointedTest(parameterized.TestCase, tf.test.TestCase):
         )
 
     @parameterized.named_parameters(("eager", False), ("tf_function", True))
-    def test_nested_and_integer_inputs(self, traced):
+    def test_nested_outputs_and_nested_integer_inputs(self, traced):
         floats = keras.Input((4,))
         ids = keras.Input((3,), dtype="int32")
         embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 2)(ids))
         merged = keras.layers.Concatenate()([floats, embedded])
-        block = keras.Model([floats, ids], keras.layers.Dense(2)(merged))
+        block = keras.Model(
+            [floats, ids],
+            {"dense": keras.layers.Dense(2)(merged), "raw": merged},
+        )
         wrapper = tfmemsafe.Checkpointed(block)
         x = [tf.random.normal((5, 4)), tf.constant([[1, 2, 3]] * 5)]
 
