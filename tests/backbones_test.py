@@ -189,6 +189,19 @@ class BuildTest(parameterized.TestCase, tf.test.TestCase):
             restored.get_layer("resize").output.shape[1:3], (32, 32)
         )
 
+    @parameterized.named_parameters(
+        ("tensor_shape", "tensor_shape"),
+        ("list", "list"),
+    )
+    def test_input_shape_may_be_a_dataset_shape_or_a_list(self, kind):
+        images = tf.data.Dataset.from_tensor_slices(
+            (_images(2, size=40)[:, :, :36], _labels(2))
+        )
+        shape = images.element_spec[0].shape
+        input_shape = shape if kind == "tensor_shape" else list(shape)
+        model = _build(input_shape=input_shape)
+        self.assertEqual(model.input_shape, (None, 40, 36, 3))
+
     def test_accumulation_steps_give_an_accumulating_model(self):
         model = _build(accumulation_steps=2, dropout=0.0)
         self.assertIsInstance(model, tfmemsafe.AccumulatingModel)
@@ -304,6 +317,16 @@ class BuildTest(parameterized.TestCase, tf.test.TestCase):
         (
             "two_dimensions",
             {"input_shape": (32, 32)},
+            "`input_shape` must be 3 positive",
+        ),
+        (
+            "unknown_dimension",
+            {"input_shape": tf.TensorShape([None, 32, 3])},
+            "`input_shape` must be 3 positive",
+        ),
+        (
+            "unknown_rank",
+            {"input_shape": tf.TensorShape(None)},
             "`input_shape` must be 3 positive",
         ),
         (

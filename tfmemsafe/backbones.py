@@ -69,7 +69,7 @@ class InferenceMode(keras.layers.Wrapper):
 
 
 def build_frozen_mobilenet_v2(
-    input_shape: Sequence[int] = (32, 32, 3),
+    input_shape: Sequence[int] | tf.TensorShape = (32, 32, 3),
     num_classes: int = 10,
     *,
     weights: str | os.PathLike | None = "imagenet",
@@ -106,8 +106,10 @@ def build_frozen_mobilenet_v2(
     side: 224 costs 49x).
 
     Args:
-        input_shape: Sequence of 3 ints. The image shape, channels last.
-            Defaults to `(32, 32, 3)`.
+        input_shape: Sequence of 3 ints (a tuple, a list or a fully
+            known `tf.TensorShape` such as
+            `dataset.element_spec[0].shape`). The image shape, channels
+            last. Defaults to `(32, 32, 3)`.
         num_classes: int. The number of classes, at least 2. Defaults to
             10.
         weights: `"imagenet"`, `None` (random initialisation) or the path
@@ -474,7 +476,15 @@ def fit_head(
 
 
 def _check_input_shape(input_shape, resize_to) -> tuple[int, int]:
-    shape = tuple(input_shape) if isinstance(input_shape, Sequence) else ()
+    # A `tf.TensorShape` (such as `dataset.element_spec[0].shape`) is not a
+    # `Sequence`; its unknown dimensions read as `None` and are rejected.
+    if isinstance(input_shape, tf.TensorShape):
+        known_rank = input_shape.rank is not None
+        shape = tuple(input_shape) if known_rank else ()
+    elif isinstance(input_shape, Sequence):
+        shape = tuple(input_shape)
+    else:
+        shape = ()
     if len(shape) != 3 or not all(_is_positive_int(d) for d in shape):
         raise ValueError(
             "`input_shape` must be 3 positive integers (height, width, "
