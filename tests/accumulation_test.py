@@ -353,6 +353,42 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
             SubclassedModel(accumulation_steps=2).accumulation_steps, 2
         )
 
+    def test_subclass_taking_two_models_is_not_built_functionally(self):
+        class Pair(AccumulatingModel):
+            def __init__(self, first, second, **kwargs):
+                super().__init__(**kwargs)
+                self.first = first
+                self.second = second
+
+            def call(self, x):
+                return self.first(x) + self.second(x)
+
+        first, second = (
+            keras.Sequential([keras.Input((6,)), *_layers(seed)])
+            for seed in (1, 2)
+        )
+        model = Pair(first, second)
+        self.assertNotIsInstance(model, Functional)
+        self.assertIs(model.first, first)
+        self.assertIs(model.second, second)
+        self.assertEqual(model.accumulation_steps, 1)
+        x = np.ones((2, 6), "float32")
+        self.assertAllClose(model(x), first(x) + second(x))
+
+    def test_subclass_passing_its_arguments_on_is_built_functionally(self):
+        class PassingOn(AccumulatingModel):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.extra = "kept"
+
+        bases_before = PassingOn.__bases__
+        model = _functional(PassingOn, accumulation_steps=2)
+        self.assertIsInstance(model, Functional)
+        self.assertIsInstance(model, PassingOn)
+        self.assertEqual((model.accumulation_steps, model.extra), (2, "kept"))
+        self.assertEqual(PassingOn.__bases__, bases_before)
+        self.assertNotIn(Functional, AccumulatingModel.__mro__)
+
     def test_two_networks_with_two_optimizers_match_large_batch(self):
         expected = _train_two_networks(steps=1, micro_batch=32)
         weights = _train_two_networks(steps=4, micro_batch=8)

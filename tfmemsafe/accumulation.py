@@ -508,9 +508,7 @@ class AccumulatingModel(_MultiWorkerSupport, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if _functional_arguments(args, kwargs) and not issubclass(
-            cls, Functional
-        ):
+        if _builds_functionally(cls, args, kwargs):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
@@ -739,6 +737,22 @@ def _functional_arguments(args, kwargs) -> bool:
         or (len(args) == 1 and "outputs" in kwargs)
         or ("inputs" in kwargs and "outputs" in kwargs)
     )
+
+
+def _builds_functionally(cls, args, kwargs) -> bool:
+    """Whether `cls(*args, **kwargs)` builds a functional model.
+
+    Only a class that takes a functional model's arguments does: one with
+    no `__init__` of its own, or one that passes `*args, **kwargs` on (the
+    test Keras' `Model.from_config` makes). A subclass with arguments of
+    its own is built by its `__init__`, as with `keras.Model`:
+    `GAN(generator, discriminator)` is not `Model(inputs, outputs)`.
+    """
+    if issubclass(cls, Functional) or not _functional_arguments(args, kwargs):
+        return False
+    # `AccumulatingModel.__init__` itself takes `*args, **kwargs`.
+    spec = inspect.getfullargspec(cls.__init__)
+    return spec.varargs is not None and spec.varkw is not None
 
 
 @functools.cache
