@@ -162,6 +162,7 @@ class CheckpointedTest(parameterized.TestCase, tf.test.TestCase):
         ("functional_graph", "functional", "graph"),
         ("functional_xla", "functional", "jit_compile"),
         ("functional_segments_graph", "functional", "graph", "segments"),
+        ("sequential_segments_eager", "sequential", "eager", "segments"),
         ("sequential_eager", "sequential", "eager"),
         ("sequential_graph", "sequential", "graph"),
         ("subclassed_graph", "subclassed", "graph"),
@@ -570,6 +571,38 @@ def train_under_mixed_precision():
     }
 
 
+def train_under_mirrored_strategy():
+    """Child: two replicas, with and without checkpointing."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x, y = _data(64)
+    models = []
+    for checkpointed in (False, True):
+        keras.utils.set_random_seed(6)
+        with strategy.scope():
+            model = _model("functional", checkpointed, True, dropout=0.3)
+            models.append(_compile(model, "graph"))
+    plain, wrapped = models
+    initial = _values(wrapped.weights)
+    for model in models:
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return {
+        "all_trained": all(
+            not np.allclose(a, b)
+            for a, b in zip(initial, _values(wrapped.weights), strict=True)
+        ),
+        "max_difference": max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(
+                _values(wrapped.weights), _values(plain.weights), strict=True
+            )
+        ),
+    }
+
+
 class CheckpointingInProcessesTest(parameterized.TestCase, tf.test.TestCase):
     def test_checkpointing_lowers_the_allocator_peak(self):
         peaks = testing.run_in_subprocess(
@@ -579,6 +612,11 @@ class CheckpointingInProcessesTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertLess(peaks["per_block"], 0.6 * peaks["none"])
         self.assertLess(peaks["segments"], 0.7 * peaks["none"])
+
+    def test_mirrored_strategy_training_matches_unwrapped(self):
+        result = testing.run_in_subprocess(train_under_mirrored_strategy)
+        self.assertTrue(result["all_trained"])
+        self.assertLess(result["max_difference"], 1e-5)
 
     def test_mixed_precision_training_matches_unwrapped(self):
         result = testing.run_in_subprocess(train_under_mixed_precision)

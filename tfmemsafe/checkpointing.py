@@ -17,8 +17,10 @@ import tensorflow as tf
 from absl import logging
 
 # Keras internals with no public accessor: the autocast, stateless and
-# symbolic scopes, and the `SeedGenerator` behind unseeded `keras.random`.
+# symbolic scopes, and the `SeedGenerator` behind unseeded `keras.random`
+# (created by `global_seed_generator`, kept in Keras' global state).
 from keras.src import backend as keras_backend
+from keras.src.backend.common import global_state as keras_global_state
 from keras.src.random.seed_generator import global_seed_generator
 
 # Pauses every active gradient tape, as `tf.recompute_grad` does.
@@ -90,8 +92,9 @@ class Checkpointed(keras.layers.Wrapper):
       and in `fit` the optimizer may already have updated some of them.)
 
     Works in functional, `Sequential` and subclassed models, eagerly and
-    in `fit` (graph mode), with `jit_compile=True` and under mixed
-    precision. Masks are not propagated through the wrapper.
+    in `fit` (graph mode), with `jit_compile=True` (where XLA's scheduling
+    favours one wrapper per block over segments), under mixed precision
+    and under `tf.distribute.MirroredStrategy`. Masks are not propagated through the wrapper.
 
     Args:
         layer: `keras.layers.Layer`. The layer or model to wrap, built or
@@ -196,7 +199,14 @@ class Checkpointed(keras.layers.Wrapper):
         # the same weights and draws the same random numbers.
         weights = list(self.layer.trainable_variables)
         state = list(self.layer.non_trainable_variables)
-        state.append(global_seed_generator().state)
+        # Keras keeps this generator per thread: `build` created it in the
+        # building thread; the replica threads of a `tf.distribute`
+        # strategy have none (and Keras cannot make one there either).
+        generator = keras_global_state.get_global_attribute(
+            "global_seed_generator"
+        )
+        if generator is not None:
+            state.append(generator.state)
         with keras_backend.AutocastScope(None):
             weight_values = [tf.identity(v.value) for v in weights]
             state_values = [tf.identity(v.value) for v in state]
@@ -324,14 +334,15 @@ def checkpoint_blocks(
 
     Raises:
         ValueError: If `blocks` is empty or holds something other than
-            layers, or if `segments` is out of range.
+            layers, if `segments` is out of range, or if `checkpoint_last`
+            is not a bool.
 
     Example:
-    >>> blocks = [residual_block(16) for _ in range(12)]
-    >>> x = inputs = keras.Input((64, 64, 16))
-    >>> for layer in checkpoint_blocks(blocks):  # 3 segments of 4 blocks
-    ...     x = layer(x)
-    >>> model = keras.Model(inputs, x)
+    >>> blocks = [keras.layers.Dense(64, activation="relu") for _ in range(9)]
+    >>> layers = checkpoint_blocks(blocks)  # 3 segments of 3 blocks
+    >>> [layer.recompute for layer in layers]
+    [True, True, False]
+    >>> model = keras.Sequential([keras.Input((64,)), *layers])
     """
     blocks = list(blocks)
     if not blocks or not all(isinstance(b, keras.layers.Layer) for b in blocks):
