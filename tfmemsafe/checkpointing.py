@@ -94,7 +94,8 @@ class Checkpointed(keras.layers.Wrapper):
     Works in functional, `Sequential` and subclassed models, eagerly and
     in `fit` (graph mode), with `jit_compile=True` (where XLA's scheduling
     favours one wrapper per block over segments), under mixed precision
-    and under `tf.distribute.MirroredStrategy`. Masks are not propagated through the wrapper.
+    and under `tf.distribute.MirroredStrategy`. Masks are not propagated
+    through the wrapper.
 
     Args:
         layer: `keras.layers.Layer`. The layer or model to wrap, built or
