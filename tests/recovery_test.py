@@ -400,6 +400,63 @@ def _table(rows=256):
     return x, x.sum(axis=1, keepdims=True)
 
 
+class _TwoOptimizers(keras.Model):
+    """Two networks, each updated by an optimizer held as an attribute.
+
+    Like a GAN's generator and discriminator: compiled with
+    `optimizer=None`, so `model.optimizer` knows of neither.
+    """
+
+    def __init__(self, seed=0):
+        super().__init__()
+        keras.utils.set_random_seed(seed)
+        self.first = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(1)]
+        )
+        self.second = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(1)]
+        )
+
+    def call(self, x):
+        return self.first(x) + self.second(x)
+
+    def compile(self):
+        super().compile(optimizer=None)
+        self.first_optimizer = keras.optimizers.Adam(1e-2)
+        self.second_optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), initial_scale=2.0**10
+        )
+        self.first_optimizer.build(self.first.trainable_variables)
+        self.second_optimizer.build(self.second.trainable_variables)
+
+    @property
+    def state(self):
+        return (
+            self.variables
+            + self.first_optimizer.variables
+            + self.second_optimizer.variables
+        )
+
+    def train_step(self, data):
+        x, y = data
+        for network, optimizer in (
+            (self.first, self.first_optimizer),
+            (self.second, self.second_optimizer),
+        ):
+            variables = network.trainable_variables
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(y - network(x)))
+                scaled = optimizer.scale_loss(loss)
+            optimizer.apply(tape.gradient(scaled, variables), variables)
+        return {"loss": loss}
+
+
+def _two_optimizers():
+    model = _TwoOptimizers()
+    model.compile()
+    return model
+
+
 def _data_of_kind(kind, x, y):
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     return {
@@ -480,6 +537,21 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         reference = _dense_model(optimizer())
         _fit_epochs(reference, x, y, [32, 16, 16])
         self.assertSameState(model, reference)
+
+    def test_resumed_epoch_restores_optimizers_held_as_attributes(self):
+        x, y = _table()
+        model = _two_optimizers()
+        _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
+        reference = _two_optimizers()
+        _fit_epochs(reference, x, y, [32, 16, 16])
+        self.assertEqual(
+            int(model.first_optimizer.iterations),
+            int(reference.first_optimizer.iterations),
+        )
+        self.assertAllClose(
+            [v.numpy() for v in model.state],
+            [v.numpy() for v in reference.state],
+        )
 
     def test_accumulating_model_resumes_with_twice_the_steps(self):
         # The error strikes mid-window (step 3 of windows of 2): the
@@ -748,6 +820,17 @@ class FindMaxBatchSizeTest(tf.test.TestCase):
         )
         self.assertEqual(size, 64)  # No statistics here: only the bound.
         for expected, variable in zip(before, state, strict=True):
+            self.assertAllEqual(expected, variable.numpy(), msg=variable.path)
+
+    def test_leaves_optimizers_held_as_attributes_as_found(self):
+        x, y = _table(512)
+        model = _two_optimizers()
+        model.fit(x, y, batch_size=64, verbose=0)
+        before = [v.numpy().copy() for v in model.state]
+        tfmemsafe.find_max_batch_size(
+            model, (x, y), start=32, max_batch_size=64
+        )
+        for expected, variable in zip(before, model.state, strict=True):
             self.assertAllEqual(expected, variable.numpy(), msg=variable.path)
 
     def test_builds_the_optimizer_so_a_fresh_one_stays_fresh(self):

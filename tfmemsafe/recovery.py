@@ -811,28 +811,45 @@ class _Halving:
 
 
 class _Snapshot:
-    """Host copies of a model's variables and its optimizer's, to put back.
+    """Host copies of a model's variables and its optimizers', to put back.
 
-    Copies are per variable, so under `tf.distribute` a mirrored variable
-    is read once and assigned back to every replica.
+    The optimizers are the compiled one and any the model holds as
+    attributes (a GAN's `generator_optimizer`, say). Copies are per
+    variable, so under `tf.distribute` a mirrored variable is read once
+    and assigned back to every replica.
     """
 
     def __init__(self, model: keras.Model):
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
             # Its variables must exist to be saved (and restored to zeros).
+            # Only the compiled optimizer is known to update exactly the
+            # model's trainable variables; others are saved as they are.
             with model.distribute_strategy.scope():
                 optimizer.build(model.trainable_variables)
+        optimizers = _optimizers(model)
         variables = list(model.variables)
-        if optimizer is not None:
-            variables += optimizer.variables
+        for each in optimizers:
+            variables += each.variables
         self.model = model
+        self.unbuilt = [each for each in optimizers if not each.built]
         self.variables = list({id(v): v for v in variables}.values())
         self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
 
     def restore(self) -> None:
         for variable, value in zip(self.variables, self.values, strict=True):
             variable.assign(value)
+        for optimizer in self.unbuilt:
+            if optimizer.built:
+                logging.warning(
+                    "tfmemsafe: optimizer %r of %s was built after its "
+                    "state was saved, so what it gathered since (such as "
+                    "Adam's moments) is kept, not rewound. Build it in "
+                    "`compile`.",
+                    optimizer.name,
+                    self.model.name,
+                )
+        self.unbuilt = [each for each in self.unbuilt if not each.built]
         # An `AccumulatingModel`'s partial window is state too; at the start
         # of an epoch it is empty.
         for accumulator in _gradient_accumulators(self.model):
@@ -1103,6 +1120,13 @@ def _gradient_accumulators(model) -> list:
         for value in vars(model).values()
         if isinstance(value, accumulation.GradientAccumulator)
     ]
+
+
+def _optimizers(model) -> list:
+    """The compiled optimizer and those the model holds as attributes."""
+    found = [model.optimizer, *vars(model).values()]
+    optimizers = [o for o in found if isinstance(o, keras.optimizers.Optimizer)]
+    return list({id(o): o for o in optimizers}.values())
 
 
 def _forget_epoch(history, epoch: int, keys) -> None:
