@@ -15,6 +15,7 @@ import csv
 import dataclasses
 import os
 import tempfile
+import warnings
 
 import keras
 import numpy as np
@@ -552,6 +553,19 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             [v.numpy() for v in model.state],
             [v.numpy() for v in reference.state],
         )
+
+    @parameterized.named_parameters(*_KINDS[1:])
+    def test_dataset_kinds_do_not_warn_that_shuffle_is_ignored(self, kind):
+        x, y = _table(64)
+        data = _data_of_kind(kind, x, y)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tfmemsafe.fit(_dense_model(), data, batch_size=32, verbose=0)
+            tfmemsafe.find_max_batch_size(
+                _dense_model(), data, start=16, max_batch_size=32
+            )
+        messages = [str(w.message) for w in caught]
+        self.assertEmpty([m for m in messages if "shuffle" in m], messages)
 
     def test_accumulating_model_resumes_with_twice_the_steps(self):
         # The error strikes mid-window (step 3 of windows of 2): the

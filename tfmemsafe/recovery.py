@@ -536,7 +536,10 @@ class _Data:
             arguments = self.keras_arguments(batch_size)
             arguments.update(shuffle=False, steps_per_epoch=steps)
             return arguments
-        return {"x": self.dataset(batch_size, repeat=True).take(steps)}
+        return {
+            "x": self.dataset(batch_size, repeat=True).take(steps),
+            "shuffle": False,
+        }
 
     def num_batches(self, arguments: dict) -> int | None:
         """The batches per epoch of `keras_arguments`, if known."""
@@ -639,6 +642,10 @@ class _FitRun:
 
     def _attempt(self, epoch: int) -> None:
         arguments = dict(self.fit_kwargs)
+        if self.train_data.kind != "arrays":
+            # Keras ignores `shuffle` for datasets, and warns when it is
+            # left at its default, True.
+            arguments.setdefault("shuffle", False)
         arguments.update(
             self.train_data.keras_arguments(self.training.batch_size)
         )
