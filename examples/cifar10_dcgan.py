@@ -115,8 +115,6 @@ class DCGAN(tfmemsafe.AccumulatingModel):
     `accumulation_steps` on both when it halves the batch.
     """
 
-    # Keyword-only: `AccumulatingModel` reads two positional arguments as
-    # the (inputs, outputs) of a functional model.
     def __init__(self, *, generator, discriminator, accumulation_steps=1):
         super().__init__(accumulation_steps=accumulation_steps, name="dcgan")
         self.generator = generator
