@@ -157,15 +157,7 @@ class MemoryMonitor(keras.callbacks.Callback):
     ):
         super().__init__()
         self.devices = _check_devices(devices)
-        if (
-            isinstance(every_n_batches, bool)
-            or not isinstance(every_n_batches, int)
-            or every_n_batches < 1
-        ):
-            raise ValueError(
-                "`every_n_batches` must be an integer >= 1. "
-                f"Received: every_n_batches={every_n_batches!r}"
-            )
+        errors.check_integer("every_n_batches", every_n_batches, 1)
         self.every_n_batches = every_n_batches
         if warn_at is not None and (
             isinstance(warn_at, bool)

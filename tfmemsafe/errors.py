@@ -29,6 +29,18 @@ class OutOfMemoryError(RuntimeError):
         self.tried_batch_sizes = tuple(tried_batch_sizes)
 
 
+def check_integer(name: str, value, minimum: int) -> None:
+    """Raises the Keras-style `ValueError` unless `value` is an int >= minimum.
+
+    `bool` is refused although it is an `int`.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}. "
+            f"Received: {name}={value!r}"
+        )
+
+
 def format_sizes(sizes: Iterable[int]) -> str:
     """Formats batch sizes as `"256, 128, 64"`."""
     return ", ".join(str(size) for size in sizes)

@@ -26,6 +26,7 @@ from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.errors import OOM_ADVICE
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.errors import check_integer
 from tfmemsafe.errors import format_sizes
 
 # Keras' default batch size, used for arrays and unbatched datasets.
@@ -159,7 +160,7 @@ def fit(
     [512]
     """
     _check_compiled(model, "fit")
-    _check_integer("epochs", epochs, 1)
+    check_integer("epochs", epochs, 1)
     _check_limits(min_batch_size, max_retries)
     for name in _DATA_ARGUMENTS:
         if name in fit_kwargs:
@@ -408,9 +409,9 @@ def find_max_batch_size(
     448
     """
     _check_compiled(model, "find_max_batch_size")
-    _check_integer("start", start, 1)
-    _check_integer("max_batch_size", max_batch_size, 1)
-    _check_integer("steps_per_trial", steps_per_trial, 1)
+    check_integer("start", start, 1)
+    check_integer("max_batch_size", max_batch_size, 1)
+    check_integer("steps_per_trial", steps_per_trial, 1)
     if isinstance(headroom, bool) or not (
         isinstance(headroom, (int, float)) and 0 <= headroom < 1
     ):
@@ -465,7 +466,7 @@ class _Data:
                     f"pipeline. Received: {argument}=None"
                 )
             return self.batch_size or _DEFAULT_BATCH_SIZE
-        _check_integer(argument, batch_size, 1)
+        check_integer(argument, batch_size, 1)
         return batch_size
 
     @property
@@ -1245,18 +1246,10 @@ def _check_model(model) -> None:
         )
 
 
-def _check_integer(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. "
-            f"Received: {name}={value!r}"
-        )
-
-
 def _check_limits(min_batch_size, max_retries) -> None:
-    _check_integer("min_batch_size", min_batch_size, 1)
+    check_integer("min_batch_size", min_batch_size, 1)
     if max_retries is not None:
-        _check_integer("max_retries", max_retries, 0)
+        check_integer("max_retries", max_retries, 0)
 
 
 def _check_callbacks(callbacks) -> list:

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+from tfmemsafe.errors import check_integer
+
 DEFAULT_TIMEOUT = 600
 _STDERR_TAIL_LINES = 30
 
@@ -88,10 +90,7 @@ def memory_cap_environment(cap_mb: int) -> dict[str, str]:
     so the work runs on the capped CPU. These must be set before
     TensorFlow is imported.
     """
-    if isinstance(cap_mb, bool) or not isinstance(cap_mb, int) or cap_mb < 1:
-        raise ValueError(
-            f"`cap_mb` must be an integer >= 1. Received: cap_mb={cap_mb!r}"
-        )
+    check_integer("cap_mb", cap_mb, 1)
     return {
         "TF_CPU_ALLOCATOR_USE_BFC": "true",
         "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
@@ -231,13 +230,7 @@ def run_workers(
     ...     return [w.tolist() for w in model.get_weights()]
     >>> first, second = tfmemsafe.testing.run_workers(train, 2)
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-        num_workers = -1
-    if num_workers < 1:
-        raise ValueError(
-            "`num_workers` must be an integer >= 1. "
-            f"Received: num_workers={num_workers!r}"
-        )
+    check_integer("num_workers", num_workers, 1)
     worker_env = list(worker_env or [{}] * num_workers)
     if len(worker_env) != num_workers:
         raise ValueError(
