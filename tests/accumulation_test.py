@@ -437,7 +437,7 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(wrapped.accumulation_steps, 1)
 
     def test_with_gradient_accumulation_rejects_what_is_not_a_model(self):
-        with self.assertRaisesRegex(ValueError, "`model` must be a keras"):
+        with self.assertRaisesRegex(TypeError, "`model` must be a keras"):
             tfmemsafe.with_gradient_accumulation(keras.layers.Dense(3), 2)
 
     @parameterized.named_parameters(

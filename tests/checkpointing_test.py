@@ -439,7 +439,7 @@ class CheckpointedTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_rejects_bad_arguments(self):
         with self.assertRaisesRegex(
-            ValueError, "`layer` must be a `keras.layers.Layer`"
+            TypeError, "`layer` must be a `keras.layers.Layer`"
         ):
             tfmemsafe.Checkpointed(lambda x: x)
         with self.assertRaisesRegex(ValueError, "`recompute` must be True"):

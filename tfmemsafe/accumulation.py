@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import numbers
 
 import keras
 import tensorflow as tf
@@ -25,22 +24,10 @@ from keras.src.models.functional import Functional
 from keras.src.saving import object_registration
 from keras.src.utils import python_utils
 
+from tfmemsafe import _checks
 from tfmemsafe.distribute import _MultiWorkerSupport
 
 _SUM = tf.distribute.ReduceOp.SUM
-
-
-def _check_accumulation_steps(value) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < 1
-    ):
-        raise ValueError(
-            "`accumulation_steps` must be an integer >= 1. "
-            f"Received: accumulation_steps={value!r}"
-        )
-    return int(value)
 
 
 class GradientAccumulator:
@@ -108,7 +95,9 @@ class GradientAccumulator:
     """
 
     def __init__(self, accumulation_steps: int, name: str = "accumulator"):
-        self._accumulation_steps = _check_accumulation_steps(accumulation_steps)
+        self._accumulation_steps = _checks.integer(
+            "accumulation_steps", accumulation_steps
+        )
         self.name = name
         self.built = False
         self._trainable_variables = []
@@ -129,7 +118,7 @@ class GradientAccumulator:
 
     @accumulation_steps.setter
     def accumulation_steps(self, value):
-        self._accumulation_steps = _check_accumulation_steps(value)
+        self._accumulation_steps = _checks.integer("accumulation_steps", value)
 
     @property
     def pending_micro_batches(self) -> tf.Tensor:
@@ -529,7 +518,7 @@ class AccumulatingModel(_MultiWorkerSupport, keras.Model):
 
     @accumulation_steps.setter
     def accumulation_steps(self, value):
-        value = _check_accumulation_steps(value)
+        value = _checks.integer("accumulation_steps", value)
         for accumulator in self._accumulators():
             accumulator.accumulation_steps = value
         # The value is part of the traced step: trace it again.
@@ -839,17 +828,16 @@ def with_gradient_accumulation(
     model.fit(x, y, batch_size=16)  # updates of 128 samples
     ```
     """
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            f"`model` must be a keras.Model. Received: model={model!r}"
-        )
+    _checks.model(model)
     if isinstance(model, AccumulatingModel):
         if accumulation_steps is not None:
             model.accumulation_steps = accumulation_steps
         return model
     if accumulation_steps is None:
         accumulation_steps = 1
-    accumulation_steps = _check_accumulation_steps(accumulation_steps)
+    accumulation_steps = _checks.integer(
+        "accumulation_steps", accumulation_steps
+    )
     if isinstance(model, Functional):
         result = AccumulatingModel(
             model.input,

@@ -17,8 +17,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _checks
 from tfmemsafe.accumulation import AccumulatingModel
-from tfmemsafe.accumulation import _check_accumulation_steps
 
 # Where Keras downloads MobileNetV2 weights from, and the sizes they exist for.
 _WEIGHTS_URL = (
@@ -155,23 +155,15 @@ def build_frozen_mobilenet_v2(
     'float32'
     """
     height, width = _check_input_shape(input_shape, resize_to)
-    if not _is_positive_int(num_classes) or num_classes < 2:
-        raise ValueError(
-            "`num_classes` must be an integer >= 2. "
-            f"Received: num_classes={num_classes!r}"
-        )
+    _checks.integer("num_classes", num_classes, 2)
     if alpha not in ALPHAS:
         raise ValueError(
             f"`alpha` must be one of {', '.join(map(str, ALPHAS))}. "
             f"Received: alpha={alpha!r}"
         )
     head_units = _check_head_units(head_units)
-    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ValueError(
-            "`dropout` must be a float in [0, 1). "
-            f"Received: dropout={dropout!r}"
-        )
-    _check_accumulation_steps(accumulation_steps)
+    _checks.fraction("dropout", dropout, what="a float")
+    _checks.integer("accumulation_steps", accumulation_steps)
     augmentation = _check_augmentation(augmentation)
     weights = _check_weights(weights)
 
@@ -485,7 +477,7 @@ def _check_input_shape(input_shape, resize_to) -> tuple[int, int]:
         shape = tuple(input_shape)
     else:
         shape = ()
-    if len(shape) != 3 or not all(_is_positive_int(d) for d in shape):
+    if len(shape) != 3 or not all(_checks.is_integer(d) for d in shape):
         raise ValueError(
             "`input_shape` must be 3 positive integers (height, width, "
             f"channels). Received: input_shape={input_shape!r}"
@@ -497,7 +489,7 @@ def _check_input_shape(input_shape, resize_to) -> tuple[int, int]:
             f"Received: input_shape={input_shape!r}"
         )
     if resize_to is not None:
-        if not _is_positive_int(resize_to) or resize_to < _MIN_SIZE:
+        if not _checks.is_integer(resize_to) or resize_to < _MIN_SIZE:
             raise ValueError(
                 f"`resize_to` must be an integer >= {_MIN_SIZE}, such as "
                 f"{IMAGENET_SIZES[0]}. Received: resize_to={resize_to!r}"
@@ -512,9 +504,9 @@ def _check_input_shape(input_shape, resize_to) -> tuple[int, int]:
 
 
 def _check_head_units(head_units) -> tuple[int, ...]:
-    units = (head_units,) if _is_positive_int(head_units) else head_units
+    units = (head_units,) if _checks.is_integer(head_units) else head_units
     if not isinstance(units, Sequence) or not all(
-        _is_positive_int(u) for u in units
+        _checks.is_integer(u) for u in units
     ):
         raise ValueError(
             "`head_units` must be a positive integer or a sequence of "
@@ -550,14 +542,6 @@ def _check_weights(weights):
     raise ValueError(
         "`weights` must be 'imagenet', None or the path of an existing "
         f"weights file. Received: weights={weights!r}"
-    )
-
-
-def _is_positive_int(value) -> bool:
-    return (
-        isinstance(value, (int, np.integer))
-        and not isinstance(value, bool)
-        and value >= 1
     )
 
 
@@ -622,7 +606,7 @@ def _unfreeze_start(layers, backbone_name, last_n_layers, from_layer) -> int:
             f"from_layer={from_layer!r}"
         )
     if last_n_layers is not None:
-        if not _is_positive_int(last_n_layers) or last_n_layers > len(layers):
+        if not _checks.is_integer(last_n_layers) or last_n_layers > len(layers):
             raise ValueError(
                 "`last_n_layers` must be an integer from 1 to the "
                 f"backbone's {len(layers)} layers. "
@@ -717,11 +701,7 @@ def _batches(x, y, sample_weight, batch_size):
             for element in x
         )
         return batches, (count if count >= 0 else None)
-    if not _is_positive_int(batch_size):
-        raise ValueError(
-            "`batch_size` must be an integer >= 1. "
-            f"Received: batch_size={batch_size!r}"
-        )
+    _checks.integer("batch_size", batch_size)
     arrays = [a for a in (x, y, sample_weight) if a is not None]
     sizes = {len(a) for a in arrays}
     if len(sizes) != 1:

@@ -17,7 +17,8 @@ from absl import logging
 from tensorflow.core.framework import summary_pb2
 from tensorflow.core.framework import tensor_pb2
 
-from tfmemsafe import errors
+from tfmemsafe import _checks
+from tfmemsafe import _messages
 from tfmemsafe import memory
 
 _MB = 1024 * 1024
@@ -157,17 +158,17 @@ class MemoryMonitor(keras.callbacks.Callback):
     ):
         super().__init__()
         self.devices = _check_devices(devices)
-        errors.check_integer("every_n_batches", every_n_batches, 1)
-        self.every_n_batches = every_n_batches
-        if warn_at is not None and (
-            isinstance(warn_at, bool)
-            or not isinstance(warn_at, (int, float))
-            or not 0 < warn_at <= 1
-        ):
-            raise ValueError(
-                "`warn_at` must be a fraction of the memory limit in "
-                "(0, 1], or None to turn the warning off. "
-                f"Received: warn_at={warn_at!r}"
+        self.every_n_batches = _checks.integer(
+            "every_n_batches", every_n_batches, 1
+        )
+        if warn_at is not None:
+            _checks.fraction(
+                "warn_at",
+                warn_at,
+                low_closed=False,
+                high_closed=True,
+                what="a fraction of the memory limit",
+                extra=", or None to turn the warning off",
             )
         self.warn_at = warn_at
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
@@ -534,7 +535,7 @@ class MemoryMonitor(keras.callbacks.Callback):
             100 * peak / limit,
             limit / _MB,
             self.warn_at,
-            errors.OOM_ADVICE[0].lower() + errors.OOM_ADVICE[1:],
+            _messages.OOM_ADVICE[0].lower() + _messages.OOM_ADVICE[1:],
         )
 
     def _device_notes(self) -> list[str]:

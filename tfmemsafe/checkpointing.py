@@ -26,6 +26,8 @@ from keras.src.random.seed_generator import global_seed_generator
 # Pauses every active gradient tape, as `tf.recompute_grad` does.
 from tensorflow.python.eager import record as tape_record
 
+from tfmemsafe import _checks
+
 # TensorFlow ops whose random numbers come from hidden state. A block that
 # uses them gives different numbers when it is recomputed, so its gradient
 # would not match its forward pass.
@@ -124,15 +126,11 @@ class Checkpointed(keras.layers.Wrapper):
         self, layer: keras.layers.Layer, recompute: bool = True, **kwargs
     ):
         if not isinstance(layer, keras.layers.Layer):
-            raise ValueError(
+            raise TypeError(
                 "`layer` must be a `keras.layers.Layer` or `keras.Model`. "
                 f"Received: layer={layer!r} of type {type(layer).__name__}"
             )
-        if not isinstance(recompute, bool):
-            raise ValueError(
-                "`recompute` must be True or False. "
-                f"Received: recompute={recompute!r}"
-            )
+        _checks.boolean("recompute", recompute)
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(layer, **kwargs)
         self.recompute = recompute

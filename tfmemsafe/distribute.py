@@ -27,7 +27,7 @@ from absl import logging
 from tensorflow.core.protobuf import error_codes_pb2
 from tensorflow.python.eager import context
 
-from tfmemsafe.errors import OOM_ADVICE
+from tfmemsafe import _messages
 from tfmemsafe.errors import OutOfMemoryError
 
 
@@ -179,7 +179,7 @@ def stop_all_workers(
         f"size (for example {max(batch_size // 2, workers)}); with "
         "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
         "among the callbacks, training resumes after the last completed "
-        f"epoch. {OOM_ADVICE}"
+        f"epoch. {_messages.OOM_ADVICE}"
     )
     try:
         context.context().report_error_to_cluster(

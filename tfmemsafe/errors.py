@@ -1,15 +1,6 @@
-"""The library's own failure modes and the message text they share."""
+"""The library's own failure modes."""
 
 from collections.abc import Iterable
-
-# What to try when halving the batch was not enough. Shared by every error
-# and warning that tells a user their model does not fit.
-OOM_ADVICE = (
-    "Instead, try mixed precision (`tfmemsafe.configure("
-    'precision="mixed_float16")` on a GPU), gradient checkpointing '
-    "(`tfmemsafe.Checkpointed`), a frozen backbone "
-    "(`tfmemsafe.build_frozen_mobilenet_v2`) or a smaller input."
-)
 
 
 class OutOfMemoryError(RuntimeError):
@@ -27,23 +18,6 @@ class OutOfMemoryError(RuntimeError):
     def __init__(self, message: str, tried_batch_sizes: Iterable[int] = ()):
         super().__init__(message)
         self.tried_batch_sizes = tuple(tried_batch_sizes)
-
-
-def check_integer(name: str, value, minimum: int) -> None:
-    """Raises the Keras-style `ValueError` unless `value` is an int >= minimum.
-
-    `bool` is refused although it is an `int`.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. "
-            f"Received: {name}={value!r}"
-        )
-
-
-def format_sizes(sizes: Iterable[int]) -> str:
-    """Formats batch sizes as `"256, 128, 64"`."""
-    return ", ".join(str(size) for size in sizes)
 
 
 class DatasetUnavailableError(RuntimeError):

@@ -21,13 +21,12 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _checks
+from tfmemsafe import _messages
 from tfmemsafe import accumulation
 from tfmemsafe import distribute
 from tfmemsafe import memory
-from tfmemsafe.errors import OOM_ADVICE
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.errors import check_integer
-from tfmemsafe.errors import format_sizes
 
 # Keras' default batch size, used for arrays and unbatched datasets.
 _DEFAULT_BATCH_SIZE = 32
@@ -159,8 +158,8 @@ def fit(
     >>> [event.batch_size_after for event in history.oom_events]
     [512]
     """
-    _check_compiled(model, "fit")
-    check_integer("epochs", epochs, 1)
+    _checks.compiled_model(model, "fit")
+    _checks.integer("epochs", epochs, 1)
     _check_limits(min_batch_size, max_retries)
     for name in _DATA_ARGUMENTS:
         if name in fit_kwargs:
@@ -188,7 +187,7 @@ def fit(
         min_batch_size=min_batch_size,
         keep_effective_batch_size=keep_effective_batch_size,
         max_retries=max_retries,
-        callbacks=_check_callbacks(callbacks),
+        callbacks=_checks.callbacks(callbacks),
         verbose=verbose,
         fit_kwargs=fit_kwargs,
     )
@@ -239,13 +238,13 @@ def evaluate(
     >>> tfmemsafe.evaluate(model, (x, y), batch_size=4096, return_dict=True)
     {'loss': 0.31}
     """
-    _check_compiled(model, "evaluate")
+    _checks.compiled_model(model, "evaluate")
     _check_limits(min_batch_size, max_retries)
     source = _Data(data, "data", labelled=True)
     halving = _Halving.start(
         "evaluation", model, source, batch_size, min_batch_size
     )
-    callbacks = _check_callbacks(callbacks)
+    callbacks = _checks.callbacks(callbacks)
     while True:
         size = halving.batch_size
         try:
@@ -313,14 +312,14 @@ def predict(
     >>> tfmemsafe.predict(model, x, batch_size=4096).shape
     (10000, 10)
     """
-    _check_model(model)
+    _checks.model(model)
     _check_limits(min_batch_size, max_retries)
     source = _Data(data, "data", labelled=False)
     halving = _Halving.start(
         "prediction", model, source, batch_size, min_batch_size
     )
     collector = _OutputCollector()
-    callbacks = [collector, *_check_callbacks(callbacks)]
+    callbacks = [collector, *_checks.callbacks(callbacks)]
     finished = []  # Outputs of the batches done before each failure.
     done = 0
     while True:
@@ -408,17 +407,11 @@ def find_max_batch_size(
     >>> tfmemsafe.find_max_batch_size(model, (x, y), start=64)
     448
     """
-    _check_compiled(model, "find_max_batch_size")
-    check_integer("start", start, 1)
-    check_integer("max_batch_size", max_batch_size, 1)
-    check_integer("steps_per_trial", steps_per_trial, 1)
-    if isinstance(headroom, bool) or not (
-        isinstance(headroom, (int, float)) and 0 <= headroom < 1
-    ):
-        raise ValueError(
-            "`headroom` must be a fraction in [0, 1). "
-            f"Received: headroom={headroom!r}"
-        )
+    _checks.compiled_model(model, "find_max_batch_size")
+    _checks.integer("start", start, 1)
+    _checks.integer("max_batch_size", max_batch_size, 1)
+    _checks.integer("steps_per_trial", steps_per_trial, 1)
+    _checks.fraction("headroom", headroom)
     source = _Data(data, "data", labelled=True)
     return _search_max_batch_size(
         model, source, start, max_batch_size, steps_per_trial, headroom
@@ -466,8 +459,7 @@ class _Data:
                     f"pipeline. Received: {argument}=None"
                 )
             return self.batch_size or _DEFAULT_BATCH_SIZE
-        check_integer(argument, batch_size, 1)
-        return batch_size
+        return _checks.integer(argument, batch_size, 1)
 
     @property
     def num_samples(self) -> int | None:
@@ -698,7 +690,7 @@ class _FitRun:
             batch_size_before=before,
             batch_size_after=halving.batch_size,
             accumulation_steps=accumulation_steps,
-            error=_error_line(err),
+            error=_messages.error_line(err),
         )
         self.events.append(event)
         return event
@@ -813,7 +805,8 @@ class _Halving:
             return
         raise OutOfMemoryError(
             f"Could not fit a {self.phase} batch of {size} after trying "
-            f"{format_sizes(self.tried)}, and {reason}. {OOM_ADVICE}",
+            f"{_messages.format_sizes(self.tried)}, and {reason}. "
+            f"{_messages.OOM_ADVICE}",
             self.tried,
         ) from err
 
@@ -983,7 +976,7 @@ def _search_max_batch_size(
                     "less than %.0f%% of the memory free. %s",
                     size,
                     100 * headroom,
-                    OOM_ADVICE,
+                    _messages.OOM_ADVICE,
                 )
             else:
                 bad, size = size, size // 2
@@ -1004,7 +997,7 @@ def _search_max_batch_size(
     logging.info(
         "tfmemsafe.find_max_batch_size: %d (tried %s).",
         good,
-        format_sizes(trial.tried),
+        _messages.format_sizes(trial.tried),
     )
     return good
 
@@ -1049,7 +1042,8 @@ class _Trial:
             if last_chance:
                 raise OutOfMemoryError(
                     f"Could not fit a training batch of {batch_size} after "
-                    f"trying {format_sizes(self.tried)}. {OOM_ADVICE}",
+                    f"trying {_messages.format_sizes(self.tried)}. "
+                    f"{_messages.OOM_ADVICE}",
                     self.tried,
                 ) from err
             logging.info(
@@ -1209,58 +1203,13 @@ def _num_rows(structure) -> int:
     return int(keras.tree.flatten(structure)[0].shape[0])
 
 
-def _to_numpy(structure):
-    return keras.tree.map_structure(np.asarray, structure)
-
-
 def _concatenate(batches: list):
     return keras.tree.map_structure(
         lambda *parts: np.concatenate(parts, axis=0), *batches
     )
 
 
-def _error_line(err: BaseException) -> str:
-    """The line of a TensorFlow error that says what ran out."""
-    text = getattr(err, "message", None) or str(err)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in lines:
-        if "OOM" in line or "RESOURCE_EXHAUSTED" in line or "memory" in line:
-            return line[:300]
-    return lines[0][:300] if lines else type(err).__name__
-
-
-def _check_compiled(model, function: str) -> None:
-    _check_model(model)
-    if not model.compiled:
-        raise ValueError(
-            f"`model` must be compiled before `tfmemsafe.{function}`: call "
-            "model.compile(optimizer=..., loss=...) first."
-        )
-
-
-def _check_model(model) -> None:
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"`model` must be a keras.Model. Received: model={model!r:.80} "
-            f"of type {type(model).__name__}"
-        )
-
-
 def _check_limits(min_batch_size, max_retries) -> None:
-    check_integer("min_batch_size", min_batch_size, 1)
+    _checks.integer("min_batch_size", min_batch_size, 1)
     if max_retries is not None:
-        check_integer("max_retries", max_retries, 0)
-
-
-def _check_callbacks(callbacks) -> list:
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    callbacks = list(callbacks or [])
-    for callback in callbacks:
-        if not isinstance(callback, keras.callbacks.Callback):
-            raise TypeError(
-                "`callbacks` must be a list of keras.callbacks.Callback. "
-                f"Received an element {callback!r:.80} of type "
-                f"{type(callback).__name__}"
-            )
-    return callbacks
+        _checks.integer("max_retries", max_retries, 0)

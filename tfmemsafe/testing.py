@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
-from tfmemsafe.errors import check_integer
+from tfmemsafe import _checks
+from tfmemsafe import _messages
 
 DEFAULT_TIMEOUT = 600
 _STDERR_TAIL_LINES = 30
@@ -90,7 +91,7 @@ def memory_cap_environment(cap_mb: int) -> dict[str, str]:
     so the work runs on the capped CPU. These must be set before
     TensorFlow is imported.
     """
-    check_integer("cap_mb", cap_mb, 1)
+    cap_mb = _checks.integer("cap_mb", cap_mb, 1)
     return {
         "TF_CPU_ALLOCATOR_USE_BFC": "true",
         "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
@@ -230,7 +231,7 @@ def run_workers(
     ...     return [w.tolist() for w in model.get_weights()]
     >>> first, second = tfmemsafe.testing.run_workers(train, 2)
     """
-    check_integer("num_workers", num_workers, 1)
+    num_workers = _checks.integer("num_workers", num_workers, 1)
     worker_env = list(worker_env or [{}] * num_workers)
     if len(worker_env) != num_workers:
         raise ValueError(
@@ -413,7 +414,9 @@ def _kill_group(process) -> None:
 def _failure(target, returncode, stdout, stderr, error) -> SubprocessError:
     tail = "\n".join(stderr.rstrip().splitlines()[-_STDERR_TAIL_LINES:])
     if error:
-        what = f"raised {error['name']}: {_headline(error['message'])}"
+        what = (
+            f"raised {error['name']}: {_messages.error_line(error['message'])}"
+        )
     elif returncode < 0:
         what = f"was killed by signal {-returncode}"
     else:
@@ -423,15 +426,6 @@ def _failure(target, returncode, stdout, stderr, error) -> SubprocessError:
     if error:
         exc.__cause__ = _rebuild(error)
     return exc
-
-
-def _headline(message: str) -> str:
-    """The line of an error message worth showing (TF's first is generic)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    for line in lines:
-        if "OOM" in line or "RESOURCE_EXHAUSTED" in line:
-            return line
-    return lines[0] if lines else ""
 
 
 def _rebuild(error: dict) -> BaseException:

@@ -1,0 +1,40 @@
+"""Message text shared by the library's errors, warnings and logs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# What to try when halving the batch was not enough. Shared by every error
+# and warning that tells a user their model does not fit.
+OOM_ADVICE = (
+    "Instead, try mixed precision (`tfmemsafe.configure("
+    'precision="mixed_float16")` on a GPU), gradient checkpointing '
+    "(`tfmemsafe.Checkpointed`), a frozen backbone "
+    "(`tfmemsafe.build_frozen_mobilenet_v2`) or a smaller input."
+)
+
+_MAX_LINE = 300
+
+
+def format_sizes(sizes: Iterable[int]) -> str:
+    """Formats batch sizes as `"256, 128, 64"`."""
+    return ", ".join(str(size) for size in sizes)
+
+
+def error_line(error: BaseException | str) -> str:
+    """The line of an error worth showing: the one that says what ran out.
+
+    TensorFlow's first line is often generic ("Graph execution error:"), so
+    the first line that mentions OOM, RESOURCE_EXHAUSTED or memory wins;
+    else the first line. At most 300 characters.
+    """
+    if isinstance(error, BaseException):
+        text = getattr(error, "message", None) or str(error)
+        fallback = type(error).__name__
+    else:
+        text, fallback = error, ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "OOM" in line or "RESOURCE_EXHAUSTED" in line or "memory" in line:
+            return line[:_MAX_LINE]
+    return lines[0][:_MAX_LINE] if lines else fallback
