@@ -7,16 +7,9 @@ import os
 
 import tensorflow as tf
 
-_MB = 1024 * 1024
+from tfmemsafe import _oom_messages
 
-# Text that identifies an allocation failure in errors that are not
-# `ResourceExhaustedError` (XLA reports them as Internal or Unknown errors).
-_OOM_MARKERS = (
-    "RESOURCE_EXHAUSTED",
-    "OOM when allocating",
-    "Out of memory while trying to allocate",
-)
-_DST_TENSOR_MARKER = "Dst tensor is not initialized"
+_MB = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +155,34 @@ def reset_peak_memory(device=None) -> bool:
 
 
 def is_oom_error(exc: BaseException | None) -> bool:
-    """Tells whether an exception is (or was caused by) an out-of-memory.
+    """Tells whether an exception is an out-of-memory error.
 
-    True for `tf.errors.ResourceExhaustedError`, for the `InternalError`
-    "Dst tensor is not initialized" (a failed host-to-device copy), and for
-    XLA's "RESOURCE_EXHAUSTED" / "Out of memory" failures. The
-    `__cause__` and `__context__` chains are followed, because Keras and
-    user code often re-raise errors wrapped in others.
+    Counted: `tf.errors.ResourceExhaustedError`, and any other
+    `tf.errors.OpError` or `RuntimeError` (XLA's `XlaRuntimeError`) whose
+    message reports a failed allocation: XLA's "RESOURCE_EXHAUSTED" and
+    "Out of memory while trying to allocate", "OOM when allocating", the
+    `InternalError` "Dst tensor is not initialized" (a host-to-device copy
+    that found no memory), CUDNN_STATUS_ALLOC_FAILED,
+    CUBLAS_STATUS_ALLOC_FAILED, CUDA_ERROR_OUT_OF_MEMORY, a cuDNN workspace
+    that could not be allocated, and the `InvalidArgumentError` "Cannot
+    parse tensor from proto" when the proto it shows is valid (TensorFlow
+    failed to allocate a constant, such as the zeros grappler makes for a
+    gradient's AddN).
+
+    Not counted: cuDNN or cuBLAS failing to initialize ("Failed to get
+    convolution algorithm. This is probably because cuDNN failed to
+    initialize", CUDNN_STATUS_NOT_INITIALIZED, CUBLAS_STATUS_NOT_INITIALIZED,
+    "DNN library is not found"): the message does not say memory ran out,
+    the usual cause is the installation, and a smaller batch does not give
+    the library the memory it lacked. Nor other cuDNN/cuBLAS statuses,
+    genuine parse errors, or a Python `MemoryError` (host memory).
+
+    An exception that wraps an out-of-memory error counts too: one raised
+    `from` it (`__cause__`), and one raised while handling it
+    (`__context__`) whose message restates the original's, as wrappers do.
+    An error that merely happened while an OOM was being handled, such as
+    a callback's `ValueError` in an `except ResourceExhaustedError:` block,
+    is not an OOM, so tfmemsafe never retries it.
 
     Args:
         exc: The exception to classify.
@@ -188,21 +202,36 @@ def is_oom_error(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         if _is_oom_itself(exc):
             return True
-        exc = exc.__cause__ or exc.__context__
+        exc = _wrapped_error(exc)
     return False
+
+
+def _wrapped_error(exc: BaseException) -> BaseException | None:
+    """The error `exc` wraps, or `None`.
+
+    `raise new from err` declares that `err` caused `new`. `__context__`
+    only says that `new` was raised while `err` was being handled, which
+    is true of any unrelated failure in an `except` block (a callback's
+    bug, a failed cleanup), so it is followed only when the new error
+    restates the old one's message. `__suppress_context__` is no guide:
+    Keras re-raises every error from `fit` with `from None`.
+    """
+    if exc.__cause__ is not None:
+        return exc.__cause__
+    context = exc.__context__
+    if context is None:
+        return None
+    inner = str(context).strip()
+    if inner and inner in str(exc):
+        return context
+    return None
 
 
 def _is_oom_itself(exc: BaseException) -> bool:
     if isinstance(exc, tf.errors.ResourceExhaustedError):
         return True
-    message = str(exc)
-    if (
-        isinstance(exc, tf.errors.InternalError)
-        and _DST_TENSOR_MARKER in message
-    ):
-        return True
     if isinstance(exc, (tf.errors.OpError, RuntimeError)):
-        return any(marker in message for marker in _OOM_MARKERS)
+        return _oom_messages.is_allocation_failure_text(str(exc))
     return False
 
 
