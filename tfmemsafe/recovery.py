@@ -178,6 +178,9 @@ def fit(
             model, train, _DEFAULT_BATCH_SIZE, _DEFAULT_MAX_BATCH_SIZE, 2, 0.1
         )
         logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
+    # The epoch snapshot builds the optimizer: the model's variables must
+    # all exist by then (a subclassed model creates them in its first call).
+    _ensure_built(model, train)
     run = _FitRun(
         model,
         train,
