@@ -23,6 +23,7 @@ from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe import _messages
+from tfmemsafe import _step_guard
 from tfmemsafe import accumulation
 from tfmemsafe import distribute
 from tfmemsafe import memory
@@ -59,6 +60,10 @@ class OOMEvent:
             `accumulation_steps` after recovery; `None` for a model
             without gradient accumulation.
         error: str. The line of the error that says what ran out.
+        resumed_at_step: int or `None`. The step of the epoch (or of its
+            validation) that training resumed at, counted in batches of
+            any size; `None` when the epoch started again from its first
+            step (see docs/oom-recovery.md for when).
     """
 
     epoch: int
@@ -68,6 +73,7 @@ class OOMEvent:
     batch_size_after: int
     accumulation_steps: int | None
     error: str
+    resumed_at_step: int | None = None
 
 
 def fit(
@@ -494,13 +500,27 @@ class _Data:
             return dataset  # The user's pipeline, as it is.
         return dataset.prefetch(tf.data.AUTOTUNE)
 
-    def keras_arguments(self, batch_size: int, skip: int = 0) -> dict:
-        """Arguments for `model.fit/evaluate/predict`, from sample `skip`."""
+    def keras_arguments(
+        self, batch_size: int, skip: int = 0, order=None
+    ) -> dict:
+        """Arguments for `model.fit/evaluate/predict`, from sample `skip`.
+
+        `order`, for arrays, is the permutation of the rows to train in.
+        """
         if self.kind == "arrays":
+
+            def rows(a):
+                if a is None:
+                    return None
+                return (a if order is None else a[order])[skip:]
+
             if not self._labelled:
-                x = keras.tree.map_structure(lambda a: a[skip:], self.data)
+                x = keras.tree.map_structure(rows, self.data)
                 return {"x": x, "batch_size": batch_size}
-            x, y, sample_weight = (*self.data, None)[:3]
+            x, y, sample_weight = [
+                None if part is None else keras.tree.map_structure(rows, part)
+                for part in (*self.data, None)[:3]
+            ]
             return {
                 "x": x,
                 "y": y,
@@ -513,6 +533,45 @@ class _Data:
         elif skip:
             dataset = dataset.unbatch().skip(skip).batch(batch_size)
         return {"x": dataset}
+
+    def split(self, fraction: float) -> tuple[_Data, _Data]:
+        """Arrays split as Keras' `validation_split` does: the last rows."""
+        rows = self.num_samples
+        cut = int(math.floor(rows * (1.0 - fraction)))
+
+        def part(rows_slice):
+            return tuple(
+                None
+                if p is None
+                else keras.tree.map_structure(lambda a: a[rows_slice], p)
+                for p in self.data
+            )
+
+        return (
+            _Data(part(slice(None, cut)), self.argument, labelled=True),
+            _Data(part(slice(cut, None)), self.argument, labelled=True),
+        )
+
+    def position_is_reproducible(self, batch_size: int) -> bool:
+        """Whether the data gives the same samples in the same order again.
+
+        Arrays do (tfmemsafe owns their shuffling); a dataset does unless
+        it shuffles without a fixed seed and order, or lets `tf.data`
+        trade order for speed.
+        """
+        if self.kind == "arrays":
+            return True
+        if self.kind == "callable":
+            # A shuffle is only the same in a new pipeline if its seeds are
+            # the user's, not drawn anew at each build.
+            first, second = (self.dataset(batch_size) for _ in range(2))
+            seeds = _shuffle_seeds(first)
+            return (
+                _is_deterministic(first)
+                and seeds == _shuffle_seeds(second)
+                and (0, 0) not in seeds  # (0, 0): drawn when it runs.
+            )
+        return _is_deterministic(self.data)
 
     def validation_arguments(self, batch_size: int) -> dict:
         if self.kind == "arrays":
@@ -548,7 +607,13 @@ class _Data:
 
 
 class _FitRun:
-    """One `tfmemsafe.fit` call: its attempts, and recovery between them."""
+    """One `tfmemsafe.fit` call: its attempts, and recovery between them.
+
+    Each epoch is one `model.fit` call (the callbacks see one run), so
+    that each epoch can be given its own data: the epoch's shuffled order
+    of arrays, or, after an out-of-memory error at step k, the samples
+    from step k on at the new batch size.
+    """
 
     def __init__(
         self,
@@ -566,16 +631,27 @@ class _FitRun:
         fit_kwargs,
     ):
         self.model = model
+        self.fit_kwargs = dict(fit_kwargs)
+        split = self.fit_kwargs.pop("validation_split", None)
+        if split and train.kind == "arrays" and validation is None:
+            # Split once, as Keras does (the last rows), so that slicing
+            # an epoch's rest never splits again.
+            train, validation = train.split(split)
+        elif split:
+            self.fit_kwargs["validation_split"] = split
         self.train_data = train
         self.validation_data = validation
         self.epochs = epochs
         self.keep_effective_batch_size = keep_effective_batch_size
         self.max_retries = max_retries
         self.verbose = verbose
-        self.fit_kwargs = dict(fit_kwargs)
         self.initial_epoch = self.fit_kwargs.pop("initial_epoch", 0)
         self.steps_per_epoch = self.fit_kwargs.pop("steps_per_epoch", None)
         self.validation_steps = self.fit_kwargs.pop("validation_steps", None)
+        self.shuffle = self.fit_kwargs.pop("shuffle", True)
+        # The seed of tfmemsafe's own shuffling of arrays, drawn from the
+        # global NumPy generator that `keras.utils.set_random_seed` seeds.
+        self.seed = int(np.random.randint(2**31))
         validation_batch_size = self.fit_kwargs.pop(
             "validation_batch_size", None
         )
@@ -615,10 +691,26 @@ class _FitRun:
         )
 
     def train(self) -> keras.callbacks.History:
-        epoch = self.initial_epoch
+        guard = _step_guard.StepGuard(
+            self.model,
+            _optimizers(self.model),
+            _gradient_accumulators(self.model),
+        )
+        self.tracker.guard = guard
+        try:
+            self._train()
+        finally:
+            guard.close()
+        self.history.oom_events = self.events
+        self.history.batch_size = self.training.batch_size
+        return self.history
+
+    def _train(self) -> None:
+        epoch = self._begin()
+        skip = 0
         while True:
             try:
-                self._attempt(epoch)
+                self._attempt(epoch, skip)
                 break
             except Exception as err:
                 if not memory.is_oom_error(err):
@@ -628,30 +720,64 @@ class _FitRun:
                     raise distribute.stop_all_workers(
                         err, self.training.batch_size, strategy
                     ) from err
-                event = self._next_sizes(err)
+                try:
+                    event = self._next_sizes(err)
+                except OutOfMemoryError as gave_up:
+                    raise self._give_up(gave_up) from err
             # Out of the `except` block the failed attempt's frames, and
             # the tensors they hold, can be freed.
-            epoch = self._recover(event)
-        self.history.oom_events = self.events
-        self.history.batch_size = self.training.batch_size
-        return self.history
+            epoch, skip = self._recover(event)
+        self.callbacks.end_run(self.tracker.last_logs)
 
-    def _attempt(self, epoch: int) -> None:
+    def _begin(self) -> int:
+        """Starts the run for the callbacks; returns the first epoch."""
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            with self.model.distribute_strategy.scope():
+                optimizer.build(self.model.trainable_variables)
+        self.callbacks.set_params(self._params(None))
+        self.callbacks.on_train_begin()
+        # `BackupAndRestore` tells where it restored to.
+        restored = getattr(self.model, "_initial_epoch", None)
+        self.model._initial_epoch = None
+        self.first_epoch = max(self.initial_epoch, restored or 0)
+        return self.first_epoch
+
+    def _params(self, steps) -> dict:
+        return {"verbose": self.verbose, "epochs": self.epochs, "steps": steps}
+
+    def _attempt(self, epoch: int, skip: int) -> None:
+        """Trains from sample `skip` of `epoch` to the last epoch."""
+        while epoch < self.epochs:
+            self._fit_epoch(epoch, skip)
+            skip = 0
+            epoch += 1
+            if self.model.stop_training:
+                break
+
+    def _fit_epoch(self, epoch: int, skip: int) -> None:
         arguments = dict(self.fit_kwargs)
-        if self.train_data.kind != "arrays":
-            # Keras ignores `shuffle` for datasets, and warns when it is
-            # left at its default, True.
-            arguments.setdefault("shuffle", False)
-        arguments.update(
-            self.train_data.keras_arguments(self.training.batch_size)
-        )
+        size = self.training.batch_size
+        if self.train_data.kind == "arrays":
+            order = None
+            if self.shuffle:
+                rows = self.train_data.num_samples
+                order = np.random.default_rng([self.seed, epoch]).permutation(
+                    rows
+                )
+            arguments.update(
+                self.train_data.keras_arguments(size, skip, order=order)
+            )
+        else:
+            arguments.update(self.train_data.keras_arguments(size, skip))
+        # Keras ignores `shuffle` for datasets (and warns when it is
+        # True); the order of arrays is shuffled here.
+        arguments["shuffle"] = False
         steps = _scaled(self.steps_per_epoch, self.training)
+        done = self.tracker.steps_done if skip else 0
+        known = self.train_data.num_batches(arguments)
         self.callbacks.set_params(
-            {
-                "verbose": self.verbose,
-                "epochs": self.epochs,
-                "steps": steps or self.train_data.num_batches(arguments),
-            }
+            self._params(done + (steps or known) if (steps or known) else None)
         )
         if self.validation_data is not None:
             arguments.update(
@@ -662,20 +788,26 @@ class _FitRun:
                     self.validation_steps, self.validation
                 ),
             )
-        self.model.fit(
-            **arguments,
-            epochs=self.epochs,
-            initial_epoch=epoch,
-            steps_per_epoch=steps,
-            callbacks=self.callbacks,
-            verbose=self.verbose,
-        )
+        self.tracker.start_epoch(epoch, skip, size)
+        self.callbacks.resume_at(epoch if skip else None, done)
+        try:
+            self.model.fit(
+                **arguments,
+                epochs=epoch + 1,
+                initial_epoch=epoch,
+                steps_per_epoch=steps,
+                callbacks=self.callbacks,
+                verbose=self.verbose,
+            )
+        finally:
+            self.callbacks.end_call()
 
     def _next_sizes(self, err: BaseException) -> OOMEvent:
         """Halves the failed phase's batch, or raises OutOfMemoryError."""
         phase = self.tracker.phase
         halving = self.validation if phase == "validation" else self.training
         before = halving.batch_size
+        ratio_before = _accumulation_steps(self.model)
         halving.halve(err, self.max_retries, len(self.events))
         accumulation_steps = _accumulation_steps(self.model)
         if phase == "training":
@@ -686,6 +818,13 @@ class _FitRun:
             )
         else:
             self.validation_follows_training = False
+        resumed_at_step = None
+        if phase == "training" and self._can_resume(halving.batch_size):
+            resumed_at_step = self.tracker.steps_done
+            if ratio_before and accumulation_steps:
+                _carry_partial_window(
+                    self.model, accumulation_steps / ratio_before
+                )
         event = OOMEvent(
             epoch=self.tracker.epoch,
             step=self.tracker.step,
@@ -694,9 +833,25 @@ class _FitRun:
             batch_size_after=halving.batch_size,
             accumulation_steps=accumulation_steps,
             error=_messages.error_line(err),
+            resumed_at_step=resumed_at_step,
         )
         self.events.append(event)
         return event
+
+    def _can_resume(self, batch_size: int) -> bool:
+        """Whether training can go on at the failed step (see the docs)."""
+        if self.tracker.guard.touched():
+            self.resume_refusal = "an update had begun when memory ran out"
+        elif self.steps_per_epoch is not None:
+            self.resume_refusal = "`steps_per_epoch` is set"
+        elif not self.train_data.position_is_reproducible(batch_size):
+            self.resume_refusal = (
+                "the data does not give the same order again (shuffled "
+                "without a fixed seed, or not deterministic)"
+            )
+        else:
+            return True
+        return False
 
     def _keep_effective_batch(self, before: int, steps: int | None):
         after = self.training.batch_size
@@ -726,13 +881,28 @@ class _FitRun:
             )
         return steps * 2
 
-    def _recover(self, event: OOMEvent) -> int:
-        """Makes the model ready to go on; returns the epoch to resume."""
+    def _recover(self, event: OOMEvent) -> tuple[int, int]:
+        """Makes the model ready to go on; returns the epoch and sample."""
         self.callbacks.abandon_attempt()
         _release(self.model)
-        if self.tracker.snapshot is not None:
-            self.tracker.snapshot.restore()
-        _forget_epoch(self.history, event.epoch, self.tracker.epoch_end_keys)
+        guard = self.tracker.guard
+        skip = 0
+        if event.resumed_at_step is not None:
+            # Only what the failed step's forward pass changed: metrics,
+            # moving statistics, seeds.
+            guard.restore_small_state()
+            self.tracker.carry_metrics()
+            skip = self.tracker.samples_done
+            where = f"step {event.resumed_at_step} of epoch {event.epoch + 1}"
+        else:
+            if self.tracker.snapshot is not None:
+                self.tracker.snapshot.restore()
+            _forget_epoch(
+                self.history, event.epoch, self.tracker.epoch_end_keys
+            )
+            where = f"the start of epoch {event.epoch + 1}"
+            if event.phase == "training":
+                where += f" ({self.resume_refusal})"
         self.tracker.phase = "training"
         # `BackupAndRestore` sets this in `on_train_begin`, and `fit` would
         # prefer it to our `initial_epoch`.
@@ -744,7 +914,7 @@ class _FitRun:
         )
         logging.warning(
             "tfmemsafe.fit: out of memory in epoch %d/%d, %s step %d: batch "
-            "size %d -> %d%s. Resuming at the start of epoch %d.",
+            "size %d -> %d%s. Resuming at %s.",
             event.epoch + 1,
             self.epochs,
             event.phase,
@@ -752,9 +922,39 @@ class _FitRun:
             event.batch_size_before,
             event.batch_size_after,
             accumulation,
-            event.epoch + 1,
+            where,
         )
-        return event.epoch
+        return event.epoch, skip
+
+    def _give_up(self, error: OutOfMemoryError) -> OutOfMemoryError:
+        """Puts back the last completed epoch's state; says so."""
+        self.callbacks.abandon_attempt()
+        _release(self.model)
+        snapshot = self.tracker.snapshot
+        if snapshot is not None:
+            snapshot.restore()
+        epoch = self.tracker.snapshot_epoch
+        iterations = (
+            int(self.model.optimizer.iterations)
+            if self.model.optimizer is not None
+            else 0
+        )
+        if snapshot is None or epoch == self.first_epoch:
+            state = "before training"
+        else:
+            state = f"at the end of epoch {epoch}"
+        message = str(error)
+        advice = message.find(_messages.OOM_ADVICE)
+        if advice < 0:
+            advice = len(message)
+        where = (
+            f"The model is as it was {state} (optimizer iterations "
+            f"{iterations}). "
+        )
+        return OutOfMemoryError(
+            (message[:advice] + where + message[advice:]).strip(),
+            error.tried_batch_sizes,
+        )
 
 
 class _Halving:
@@ -861,19 +1061,49 @@ class _Snapshot:
 
 
 class _Tracker(keras.callbacks.Callback):
-    """Knows where training is, and saves the state each epoch starts with."""
+    """Knows where training is, and keeps what resuming there needs.
+
+    Per epoch: the state the epoch starts with (an `_Snapshot`, for the
+    cases that must start the epoch again), and how many steps and
+    samples are done. Per step, through the `StepGuard`: a device-side
+    copy of the small state the step can change. After a failure, the
+    metric values to carry into the resumed epoch.
+    """
 
     def __init__(self, initial_epoch: int):
         super().__init__()
         self.epoch = initial_epoch
         self.step = 0
         self.phase = "training"
+        self.guard = None
         self.snapshot = None
         self.snapshot_epoch = None
         self.epoch_end_keys = ()
+        self.steps_done = 0
+        self.samples_done = 0
+        self.last_logs = None
+        self._call_start = (0, 0)
+        self._batch_size = None
+        self._resuming = False
+        self._carried = None
+
+    def start_epoch(self, epoch: int, skip: int, batch_size: int) -> None:
+        """Called before each `model.fit` call, for one epoch."""
+        self._resuming = bool(skip)
+        if not skip:
+            self.steps_done = self.samples_done = 0
+        self._call_start = (self.steps_done, self.samples_done)
+        self._batch_size = batch_size
+
+    def carry_metrics(self) -> None:
+        self._carried = self.guard.metric_values()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.epoch, self.step, self.phase = epoch, 0, "training"
+        self.epoch, self.step, self.phase = epoch, self.steps_done, "training"
+        if self._resuming:
+            # Keras reset the metrics: put back those of the steps done.
+            self.guard.set_metric_values(self._carried)
+            return
         # A retry starts at the epoch it has just restored: no new copy.
         if epoch != self.snapshot_epoch:
             self.snapshot = _Snapshot(self.model)
@@ -882,6 +1112,13 @@ class _Tracker(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.step = batch
+        self.guard.save_small_state()
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps, samples = self._call_start
+        self.steps_done = batch + 1
+        self.samples_done = samples + (batch + 1 - steps) * self._batch_size
+        self.last_logs = logs
 
     def on_test_begin(self, logs=None):
         self.phase, self.step = "validation", 0
@@ -894,23 +1131,32 @@ class _Tracker(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch_end_keys = tuple(logs or ())
+        self.last_logs = logs
 
 
 class _ResumableCallbackList(keras.callbacks.CallbackList):
     """A `CallbackList` that makes several `model.fit` calls one run.
 
-    Each callback gets `on_train_begin` once, so what callbacks reset there
+    Each callback gets `on_train_begin` once, at the start, and
+    `on_train_end` once, at the end, so what callbacks reset there
     (`EarlyStopping`'s patience, `CSVLogger`'s file, `History.epoch`,
-    `TensorBoard`'s step) carries on across retries. A callback that a
-    model's own `fit` adds on each call (`AccumulatingModel` does) is
-    dropped with its failed attempt, and the next one gets its own
-    `on_train_begin`.
+    `TensorBoard`'s step) carries on across epochs and retries. An epoch
+    resumed at step k is one epoch to them: no second `on_epoch_begin`,
+    and batch indices that go on from k. A callback that a model's own
+    `fit` adds on each call (`AccumulatingModel` does) gets its own
+    `on_train_begin` and `on_train_end`, and is dropped after its call.
     """
 
     def __init__(self, callbacks, **kwargs):
         super().__init__(callbacks, **kwargs)
         self._own = list(self.callbacks)
         self._started = set()
+        self._resumed_epoch = None
+        self._offset = 0
+
+    def _added(self):
+        own = {id(c) for c in self._own}
+        return [c for c in self.callbacks if id(c) not in own]
 
     def on_train_begin(self, logs=None):
         if not self._started:
@@ -921,21 +1167,53 @@ class _ResumableCallbackList(keras.callbacks.CallbackList):
                     callback.on_train_begin(logs)
         self._started.update(id(c) for c in self.callbacks)
 
-    def abandon_attempt(self) -> None:
-        """Forgets what the failed attempt left behind."""
+    def on_train_end(self, logs=None):
+        # The end of one `model.fit` call, not of the run.
+        for callback in self._added():
+            callback.on_train_end(logs)
+
+    def end_run(self, logs=None) -> None:
+        """`on_train_end` for every callback: the run is over."""
+        super().on_train_end(logs)
+
+    def resume_at(self, epoch, offset: int) -> None:
+        """Makes the next call's `epoch` go on from batch `offset`."""
+        self._resumed_epoch = epoch
+        self._offset = offset if epoch is not None else 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self._resumed_epoch:
+            # The callbacks saw this epoch begin; only ours restores.
+            self._own[0].on_epoch_begin(epoch, logs)
+            return
+        super().on_epoch_begin(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch + self._offset, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch + self._offset, logs)
+
+    def end_call(self) -> None:
+        """Drops what one `model.fit` call added."""
         # Keras may run `on_train_batch_end` in a thread pool: let the
-        # failed attempt's calls finish before the weights are restored.
+        # call's hooks finish before anything is restored.
         flush = getattr(self, "_flush_futures", None)
         if flush is not None:
             flush()
-        # A failed validation opened a test block that never closed; only
-        # the training block is open.
-        if hasattr(self, "_in_begin_end_block_count"):
-            self._in_begin_end_block_count = 1
         own = {id(c) for c in self._own}
         self.callbacks = [c for c in self.callbacks if id(c) in own]
         # The dropped callbacks' ids may be reused by new objects.
         self._started &= own
+        self._resumed_epoch, self._offset = None, 0
+
+    def abandon_attempt(self) -> None:
+        """Forgets what the failed attempt left behind."""
+        self.end_call()
+        # A failed validation opened a test block that never closed; only
+        # the training block is open.
+        if hasattr(self, "_in_begin_end_block_count"):
+            self._in_begin_end_block_count = 1
 
 
 class _OutputCollector(keras.callbacks.Callback):
@@ -1134,6 +1412,17 @@ def _optimizers(model) -> list:
     return list({id(o): o for o in optimizers}.values())
 
 
+def _carry_partial_window(model, ratio: float) -> None:
+    """Keeps an `AccumulatingModel`'s partial window for the resumed call.
+
+    Its micro-batches are counted again in units of the new, smaller
+    ones, so that the window is applied after the same samples.
+    """
+    carry = getattr(model, "_carry_partial_window", None)
+    if carry is not None:
+        carry(ratio)
+
+
 def _forget_epoch(history, epoch: int, keys) -> None:
     """Drops `epoch` from `history` if it recorded it before failing."""
     if getattr(history, "epoch", None) and history.epoch[-1] >= epoch:
@@ -1186,6 +1475,42 @@ def _batching_of(dataset) -> tuple[bool, int | None]:
             return batched, sizes.pop() if batched and len(sizes) == 1 else None
         node = getattr(node, "_input_dataset", None)
     return False, None
+
+
+def _is_deterministic(dataset) -> bool:
+    """Whether a dataset's order is the same at each new iteration."""
+    if dataset.options().deterministic is False:
+        return False
+    # A shuffle that reshuffles gives a new order at each iteration.
+    return not any(
+        getattr(node, "_reshuffle_each_iteration", True)
+        for node in _dataset_nodes(dataset)
+        if type(node).__name__ == "_ShuffleDataset"
+    )
+
+
+def _shuffle_seeds(dataset) -> list:
+    return [
+        (int(node._seed), int(node._seed2))  # noqa: SLF001
+        for node in _dataset_nodes(dataset)
+        if type(node).__name__ == "_ShuffleDataset"
+    ]
+
+
+def _dataset_nodes(dataset):
+    """The transformations of a pipeline, from the last to the sources."""
+    # tf.data has no public graph walk: `_input_dataset` and `_datasets`
+    # are the attributes `_batching_of` reads too.
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        yield node
+        inputs = getattr(node, "_datasets", None)
+        if inputs:
+            pending.extend(tf.nest.flatten(inputs))
+        parent = getattr(node, "_input_dataset", None)
+        if parent is not None:
+            pending.append(parent)
 
 
 def _is_arrays(x) -> bool:
