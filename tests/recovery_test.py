@@ -66,12 +66,24 @@ def _largest_difference(variables, others):
 
 
 def _fit_epochs(model, x, y, batch_sizes, first_epoch=0):
-    """Trains as a run that never failed: each epoch whole at its size."""
+    """Trains as a run that never failed: each epoch at its batch sizes.
+
+    An entry is a batch size, or `(size, steps, new_size)` for an epoch
+    that ran `steps` steps at `size` and the rest at `new_size`.
+    """
     for epoch, batch_size in enumerate(batch_sizes, start=first_epoch):
+        if isinstance(batch_size, tuple):
+            size, steps, new_size = batch_size
+            rows = tf.data.Dataset.from_tensor_slices((x, y))
+            data = {
+                "x": rows.take(size * steps)
+                .batch(size)
+                .concatenate(rows.skip(size * steps).batch(new_size))
+            }
+        else:
+            data = {"x": x, "y": y, "batch_size": batch_size}
         model.fit(
-            x,
-            y,
-            batch_size=batch_size,
+            **data,
             epochs=epoch + 1,
             initial_epoch=epoch,
             shuffle=False,
@@ -354,7 +366,8 @@ def mirrored_strategy_under_cap():
         shuffle=False,
         verbose=0,
     )
-    _fit_epochs(reference, x, y, [512, 256])
+    # Resumed at the failed step: epoch 1 is one batch of 512, then 256s.
+    _fit_epochs(reference, x, y, [512, (512, 1, 256)])
     variables = model.variables + model.optimizer.variables
     return {
         "too_large_events": [
@@ -536,7 +549,8 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         model = _dense_model(optimizer())
         _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
         reference = _dense_model(optimizer())
-        _fit_epochs(reference, x, y, [32, 16, 16])
+        # Resumed at the failed step 3 of epoch 1.
+        _fit_epochs(reference, x, y, [32, (32, 3, 16), 16])
         self.assertSameState(model, reference)
 
     def test_resumed_epoch_restores_optimizers_held_as_attributes(self):
@@ -544,7 +558,8 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         model = _two_optimizers()
         _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
         reference = _two_optimizers()
-        _fit_epochs(reference, x, y, [32, 16, 16])
+        # Resumed at the failed step 3 of epoch 1.
+        _fit_epochs(reference, x, y, [32, (32, 3, 16), 16])
         self.assertEqual(
             int(model.first_optimizer.iterations),
             int(reference.first_optimizer.iterations),
@@ -620,10 +635,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             _dense_model(), ("train", 1, 2), epochs=3, callbacks=[monitor]
         )
         self.assertLen(history.history["memory_peak_mb"], 3)
-        # Its readings of the failed attempt (epoch 1, steps 0 and 1) are
-        # kept, before those of the retried epoch 1.
+        # Epoch 1: steps 0 and 1 at 32, then the rest of it (192 rows) at
+        # 16, resumed at the failed step (not replayed).
         epochs = [s.epoch for s in monitor.samples if s.phase == "train"]
-        self.assertEqual(epochs, [0] * 8 + [1] * 2 + [1] * 16 + [2] * 16)
+        self.assertEqual(epochs, [0] * 8 + [1] * 2 + [1] * 12 + [2] * 16)
 
     def test_history_forgets_an_epoch_that_failed_after_it_was_recorded(self):
         history = keras.callbacks.History()
@@ -668,7 +683,8 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             ],
             verbose=0,
         )
-        self.assertEqual(recorder.epochs_begun, [2, 3, 3, 4])
+        # Epoch 3 resumed at its failed step: it began once.
+        self.assertEqual(recorder.epochs_begun, [2, 3, 4])
         self.assertEqual(history.epoch, [2, 3, 4])
 
     def test_steps_per_epoch_doubles_with_the_halved_batch(self):
