@@ -11,19 +11,12 @@ under a real allocator cap, side by side, so that their ten-second
 allocator waits overlap.
 """
 
-import concurrent.futures
-import dataclasses
-import shutil
-import tempfile
-
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import tfmemsafe
-from tfmemsafe import distribute
-from tfmemsafe import testing
 
 _ROWS = 256
 _BATCH = 32
@@ -373,9 +366,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertEqual(int(model.optimizer.iterations), 8)
         self.assertAllClose(_weights(model), _weights(reference), atol=1e-5)
-        self.assertAllEqual(
-            model.inner_model.seen.numpy(), np.full(_ROWS, 2.0)
-        )
+        self.assertAllEqual(model.inner_model.seen.numpy(), np.full(_ROWS, 2.0))
 
     def test_validation_failure_resumes_the_validation_not_the_epoch(self):
         inputs, y = _table()

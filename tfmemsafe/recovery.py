@@ -707,9 +707,14 @@ class _FitRun:
 
     def _train(self) -> None:
         epoch = self._begin()
-        skip = 0
+        skip, validation_skip = 0, None
         while True:
             try:
+                if validation_skip is not None:
+                    self._finish_validation(epoch, validation_skip)
+                    epoch, skip, validation_skip = epoch + 1, 0, None
+                    if self.model.stop_training:
+                        break
                 self._attempt(epoch, skip)
                 break
             except Exception as err:
@@ -726,7 +731,7 @@ class _FitRun:
                     raise self._give_up(gave_up) from err
             # Out of the `except` block the failed attempt's frames, and
             # the tensors they hold, can be freed.
-            epoch, skip = self._recover(event)
+            epoch, skip, validation_skip = self._recover(event)
         self.callbacks.end_run(self.tracker.last_logs)
 
     def _begin(self) -> int:
@@ -789,6 +794,8 @@ class _FitRun:
                 ),
             )
         self.tracker.start_epoch(epoch, skip, size)
+        if self.validation is not None:
+            self.tracker.start_validation(0, self.validation.batch_size)
         self.callbacks.resume_at(epoch if skip else None, done)
         try:
             self.model.fit(
@@ -801,6 +808,25 @@ class _FitRun:
             )
         finally:
             self.callbacks.end_call()
+
+    def _finish_validation(self, epoch: int, skip: int) -> None:
+        """Runs the rest of `epoch`'s validation, then ends the epoch."""
+        size = self.validation.batch_size
+        self.tracker.start_validation(skip, size)
+        self.callbacks.resume_validation_at(self.tracker.validation_steps_done)
+        try:
+            logs = self.model.evaluate(
+                **self.validation_data.keras_arguments(size, skip),
+                steps=_scaled(self.validation_steps, self.validation),
+                callbacks=self.callbacks,
+                return_dict=True,
+                verbose=0,
+            )
+        finally:
+            self.callbacks.end_call()
+        epoch_logs = dict(self.tracker.train_logs)
+        epoch_logs.update({f"val_{name}": v for name, v in logs.items()})
+        self.callbacks.on_epoch_end(epoch, epoch_logs)
 
     def _next_sizes(self, err: BaseException) -> OOMEvent:
         """Halves the failed phase's batch, or raises OutOfMemoryError."""
@@ -819,7 +845,18 @@ class _FitRun:
         else:
             self.validation_follows_training = False
         resumed_at_step = None
-        if phase == "training" and self._can_resume(halving.batch_size):
+        if phase == "validation":
+            # Training of the epoch is done: never replay it. Validation
+            # goes on at its failed step, or starts again.
+            resumed_at_step = 0
+            if (
+                self.validation_data.position_is_reproducible(
+                    halving.batch_size
+                )
+                and self.validation_steps is None
+            ):
+                resumed_at_step = self.tracker.validation_steps_done
+        elif self._can_resume(halving.batch_size):
             resumed_at_step = self.tracker.steps_done
             if ratio_before and accumulation_steps:
                 _carry_partial_window(
@@ -840,7 +877,9 @@ class _FitRun:
 
     def _can_resume(self, batch_size: int) -> bool:
         """Whether training can go on at the failed step (see the docs)."""
-        if self.tracker.guard.touched():
+        if self.tracker.ending:
+            self.resume_refusal = "it came after the epoch's last step"
+        elif self.tracker.guard.touched():
             self.resume_refusal = "an update had begun when memory ran out"
         elif self.steps_per_epoch is not None:
             self.resume_refusal = "`steps_per_epoch` is set"
@@ -881,13 +920,29 @@ class _FitRun:
             )
         return steps * 2
 
-    def _recover(self, event: OOMEvent) -> tuple[int, int]:
-        """Makes the model ready to go on; returns the epoch and sample."""
+    def _recover(self, event: OOMEvent) -> tuple[int, int, int | None]:
+        """Makes the model ready to go on.
+
+        Returns:
+            The epoch, the training sample and the validation sample (or
+            `None`) to go on from.
+        """
         self.callbacks.abandon_attempt()
         _release(self.model)
         guard = self.tracker.guard
-        skip = 0
-        if event.resumed_at_step is not None:
+        skip, validation_skip = 0, None
+        if event.phase == "validation":
+            validation_skip = 0
+            where = f"the start of the validation of epoch {event.epoch + 1}"
+            if event.resumed_at_step:
+                guard.restore_small_state()
+                self.tracker.carry_metrics()
+                validation_skip = self.tracker.validation_samples_done
+                where = (
+                    f"validation step {event.resumed_at_step} of epoch "
+                    f"{event.epoch + 1}"
+                )
+        elif event.resumed_at_step is not None:
             # Only what the failed step's forward pass changed: metrics,
             # moving statistics, seeds.
             guard.restore_small_state()
@@ -924,7 +979,7 @@ class _FitRun:
             accumulation,
             where,
         )
-        return event.epoch, skip
+        return event.epoch, skip, validation_skip
 
     def _give_up(self, error: OutOfMemoryError) -> OutOfMemoryError:
         """Puts back the last completed epoch's state; says so."""
@@ -1086,6 +1141,13 @@ class _Tracker(keras.callbacks.Callback):
         self._batch_size = None
         self._resuming = False
         self._carried = None
+        self.ending = False
+        self.train_logs = {}
+        self.validation_steps_done = 0
+        self.validation_samples_done = 0
+        self._validation_start = (0, 0)
+        self._validation_batch_size = None
+        self._resuming_validation = False
 
     def start_epoch(self, epoch: int, skip: int, batch_size: int) -> None:
         """Called before each `model.fit` call, for one epoch."""
@@ -1095,11 +1157,23 @@ class _Tracker(keras.callbacks.Callback):
         self._call_start = (self.steps_done, self.samples_done)
         self._batch_size = batch_size
 
+    def start_validation(self, skip: int, batch_size: int) -> None:
+        """Called before an epoch's validation is resumed at sample `skip`."""
+        self._resuming_validation = bool(skip)
+        if not skip:
+            self.validation_steps_done = self.validation_samples_done = 0
+        self._validation_start = (
+            self.validation_steps_done,
+            self.validation_samples_done,
+        )
+        self._validation_batch_size = batch_size
+
     def carry_metrics(self) -> None:
         self._carried = self.guard.metric_values()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch, self.step, self.phase = epoch, self.steps_done, "training"
+        self.ending = False
         if self._resuming:
             # Keras reset the metrics: put back those of the steps done.
             self.guard.set_metric_values(self._carried)
@@ -1122,14 +1196,33 @@ class _Tracker(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         self.phase, self.step = "validation", 0
+        if self._resuming_validation:
+            return
+        # Keras' epoch logs are the last step's running metrics.
+        self.train_logs = {
+            name: float(value) for name, value in (self.last_logs or {}).items()
+        }
+        self.start_validation(0, self._validation_batch_size)
 
     def on_test_batch_begin(self, batch, logs=None):
         self.step = batch
+        if self._resuming_validation and batch == self._validation_start[0]:
+            # `evaluate` reset the metrics after `on_test_begin`.
+            self.guard.set_metric_values(self._carried)
+            self._resuming_validation = False
+        self.guard.save_small_state()
+
+    def on_test_batch_end(self, batch, logs=None):
+        steps, samples = self._validation_start
+        self.validation_steps_done = batch + 1
+        size = self._validation_batch_size or 0
+        self.validation_samples_done = samples + (batch + 1 - steps) * size
 
     def on_test_end(self, logs=None):
         self.phase = "training"
 
     def on_epoch_end(self, epoch, logs=None):
+        self.ending = True
         self.epoch_end_keys = tuple(logs or ())
         self.last_logs = logs
 
@@ -1188,6 +1281,25 @@ class _ResumableCallbackList(keras.callbacks.CallbackList):
             return
         super().on_epoch_begin(epoch, logs)
 
+    def resume_validation_at(self, offset: int) -> None:
+        """Makes the next `evaluate` call go on from batch `offset`."""
+        self._validation_offset = offset
+
+    def on_test_begin(self, logs=None):
+        if getattr(self, "_validation_offset", 0):
+            self._on_begin()  # Keras' count of open begin/end blocks.
+            self._own[0].on_test_begin(logs)  # The others saw it begin.
+            return
+        super().on_test_begin(logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        offset = getattr(self, "_validation_offset", 0)
+        super().on_test_batch_begin(batch + offset, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        offset = getattr(self, "_validation_offset", 0)
+        super().on_test_batch_end(batch + offset, logs)
+
     def on_train_batch_begin(self, batch, logs=None):
         super().on_train_batch_begin(batch + self._offset, logs)
 
@@ -1206,6 +1318,7 @@ class _ResumableCallbackList(keras.callbacks.CallbackList):
         # The dropped callbacks' ids may be reused by new objects.
         self._started &= own
         self._resumed_epoch, self._offset = None, 0
+        self._validation_offset = 0
 
     def abandon_attempt(self) -> None:
         """Forgets what the failed attempt left behind."""
