@@ -143,7 +143,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 def stop_all_workers(
-    err: BaseException, batch_size: int, strategy=None
+    err: BaseException,
+    batch_size: int,
+    strategy=None,
+    resume_batch_size: int | None = None,
 ) -> OutOfMemoryError:
     """Stops the whole job after one worker ran out of memory.
 
@@ -159,6 +162,9 @@ def stop_all_workers(
             worker reported.
         batch_size: The global batch size that did not fit.
         strategy: The job's strategy. Defaults to the one in scope.
+        resume_batch_size: int or `None`. The smaller batch size stored
+            with the backup, which a restart of the same command resumes
+            at; `None` if none was stored.
 
     Returns:
         A `tfmemsafe.OutOfMemoryError` to raise from `err`, saying which
@@ -171,15 +177,26 @@ def stop_all_workers(
             return OutOfMemoryError(reported, (batch_size,))
     strategy = strategy or tf.distribute.get_strategy()
     workers = strategy.extended._num_workers
+    if resume_batch_size is None:
+        restart = (
+            "Restart all workers with a smaller batch size (for example "
+            f"{max(batch_size // 2, workers)}); with "
+            "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
+            "among the callbacks, training resumes after the last completed "
+            "epoch."
+        )
+    else:
+        restart = (
+            "Restart all workers with the same command: tfmemsafe.fit "
+            f"stored global batch size {resume_batch_size} with the backup "
+            "of `MultiWorkerBackupAndRestore`, and resumes after the last "
+            "completed epoch at that size."
+        )
     message = (
         f"{_STOPPED} {worker_index(strategy)} of {workers} at global batch "
         f"size {batch_size}. A multi-worker job cannot halve its batch on "
         "one worker while the others wait in the same collective, so every "
-        "worker has been stopped. Restart all workers with a smaller batch "
-        f"size (for example {max(batch_size // 2, workers)}); with "
-        "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
-        "among the callbacks, training resumes after the last completed "
-        f"epoch. {_messages.OOM_ADVICE}"
+        f"worker has been stopped. {restart} {_messages.OOM_ADVICE}"
     )
     try:
         context.context().report_error_to_cluster(

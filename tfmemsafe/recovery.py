@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
+import os
 from collections.abc import Sequence
 
 import keras
@@ -40,6 +42,9 @@ _BATCHING = (
     "_RebatchDataset",
 )
 _UNBATCHING = ("_UnbatchDataset",)
+# Where a stopped multi-worker job stores the batch size to go on with,
+# next to `BackupAndRestore`'s files (which it deletes with them).
+_DECISION_FILE = "tfmemsafe_batch_size.json"
 # `model.fit` arguments that `tfmemsafe.fit` takes in its own way.
 _DATA_ARGUMENTS = ("x", "y", "sample_weight")
 
@@ -671,6 +676,12 @@ class _FitRun:
             )
         self.events = []
         self.warned_effective_batch = False
+        self.backup_dirs = [
+            c.backup_dir
+            for c in callbacks
+            if isinstance(c, keras.callbacks.BackupAndRestore)
+        ]
+        self._load_decision()
         self.tracker = _Tracker(self.initial_epoch)
         self.history = (
             next(
@@ -722,9 +733,7 @@ class _FitRun:
                     raise
                 strategy = self.model.distribute_strategy
                 if distribute.is_multi_worker(strategy):
-                    raise distribute.stop_all_workers(
-                        err, self.training.batch_size, strategy
-                    ) from err
+                    raise self._stop_all_workers(err, strategy) from err
                 try:
                     event = self._next_sizes(err)
                 except OutOfMemoryError as gave_up:
@@ -733,6 +742,75 @@ class _FitRun:
             # the tensors they hold, can be freed.
             epoch, skip, validation_skip = self._recover(event)
         self.callbacks.end_run(self.tracker.last_logs)
+
+    def _stop_all_workers(self, err, strategy) -> OutOfMemoryError:
+        """Stores the smaller size with the backup, then stops the job."""
+        before = self.training.batch_size
+        after = None
+        if self.backup_dirs and self.tracker.phase == "training":
+            try:
+                self._next_sizes(err)
+            except OutOfMemoryError:
+                pass  # Nothing smaller to store: stop all the same.
+            else:
+                after = self.training.batch_size
+                self._store_decision()
+        return distribute.stop_all_workers(
+            err, before, strategy, resume_batch_size=after
+        )
+
+    def _store_decision(self) -> None:
+        """Writes the batch size and accumulation steps to go on with.
+
+        Every worker writes the same content (atomically), so it is there
+        whichever of them learnt of the error.
+        """
+        decision = {
+            "requested_batch_size": self.training.tried[0],
+            "tried": self.training.tried,
+            "accumulation_steps": _accumulation_steps(self.model),
+        }
+        for directory in self.backup_dirs:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, _DECISION_FILE)
+            temporary = f"{path}.{distribute.worker_index()}.tmp"
+            with open(temporary, "w") as f:
+                json.dump(decision, f)
+            os.replace(temporary, path)
+
+    def _load_decision(self) -> None:
+        """Goes on at the size a stopped multi-worker job stored."""
+        for directory in self.backup_dirs:
+            path = os.path.join(directory, _DECISION_FILE)
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                decision = json.load(f)
+            if decision["requested_batch_size"] != self.training.tried[0]:
+                logging.warning(
+                    "tfmemsafe.fit: ignoring the batch size stored in %s, "
+                    "which was decided for batch_size=%d: this run asks "
+                    "for %d.",
+                    path,
+                    decision["requested_batch_size"],
+                    self.training.tried[0],
+                )
+                return
+            self.training.tried = list(decision["tried"])
+            steps = decision["accumulation_steps"]
+            if steps is not None and _accumulation_steps(self.model):
+                self.model.accumulation_steps = steps
+            if self.validation is not None and self.validation_follows_training:
+                self.validation.follow(self.training)
+            logging.warning(
+                "tfmemsafe.fit: resuming at batch size %d%s, as stored in "
+                "%s after running out of memory at %d.",
+                self.training.batch_size,
+                "" if steps is None else f" x {steps} accumulation steps",
+                path,
+                self.training.tried[-2],
+            )
+            return
 
     def _begin(self) -> int:
         """Starts the run for the callbacks; returns the first epoch."""
