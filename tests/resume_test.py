@@ -11,12 +11,19 @@ under a real allocator cap, side by side, so that their ten-second
 allocator waits overlap.
 """
 
+import concurrent.futures
+import dataclasses
+import shutil
+import tempfile
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import tfmemsafe
+from tfmemsafe import distribute
+from tfmemsafe import testing
 
 _ROWS = 256
 _BATCH = 32
@@ -423,6 +430,355 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertAllEqual(model.seen.numpy(), np.full(_ROWS, 2.0))
         self.assertEqual(int(model.optimizer.iterations), 8 + 16)
+
+
+# Scenarios run in child processes under a real allocator cap. Each returns
+# what the tests check, as JSON.
+
+_CAP_MB = 80
+_STEPS = 40  # Per epoch.
+_GROWING_BATCH = 32
+_SMALL_IMAGE, _LARGE_IMAGE = 24, 96
+
+
+def _growing_images(rows, grow_in_epoch=None):
+    """A pipeline whose images grow from 24x24 to 96x96 halfway through.
+
+    Each sample carries its id. With `grow_in_epoch`, only that epoch's
+    second half grows (set `epoch.assign(e)` from a callback).
+    """
+    epoch = tf.Variable(0, trainable=False)
+
+    def make(ids):
+        late = ids[0] >= rows // 2
+        if grow_in_epoch is not None:
+            late = tf.logical_and(late, epoch == grow_in_epoch)
+        size = tf.where(late, _LARGE_IMAGE, _SMALL_IMAGE)
+        grid = tf.cast(tf.range(size), tf.float32)
+        images = tf.sin(
+            tf.cast(ids, tf.float32)[:, None, None, None] * 0.01
+            + grid[None, :, None, None] * 0.1
+            + grid[None, None, :, None] * 0.07
+            + tf.constant([0.0, 1.0, 2.0])
+        )
+        return (images, ids), ids % 4
+
+    def data(batch_size):
+        return (
+            tf.data.Dataset.range(rows)
+            .map(lambda i: tf.cast(i, tf.int32))
+            .batch(batch_size)
+            .map(make)
+        )
+
+    return data, epoch
+
+
+class _Epoch(keras.callbacks.Callback):
+    def __init__(self, variable):
+        super().__init__()
+        self.variable = variable
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.variable.assign(epoch)
+
+
+class CountingConvNet(keras.Model):
+    """Conv-BN-Conv on images of any size, counting its samples in state."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        keras.utils.set_random_seed(0)
+        self.body = keras.Sequential(
+            [
+                keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(4),
+            ]
+        )
+        self.seen = self.add_weight(
+            shape=(rows,), initializer="zeros", trainable=False, name="seen"
+        )
+        self._forward = [tf.Variable(0.0, trainable=False)]
+
+    def call(self, inputs, training=False):
+        images, ids = inputs
+        if training:
+            ones = tf.ones_like(ids, self.seen.dtype)
+            self.seen.assign_add(
+                tf.scatter_nd(ids[:, None], ones, self.seen.shape)
+            )
+            self._forward[0].assign_add(tf.reduce_sum(ones))
+        return self.body(images, training=training)
+
+
+def _conv_net(rows):
+    model = CountingConvNet(rows)
+    model(
+        (tf.zeros((1, _SMALL_IMAGE, _SMALL_IMAGE, 3)), tf.zeros((1,), "int32"))
+    )
+    model = tfmemsafe.with_gradient_accumulation(model, 1)
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _state(model):
+    return [
+        v.numpy().tolist() for v in model.variables + model.optimizer.variables
+    ]
+
+
+def growing_batches_under_cap():
+    """Training runs out at step 20 of 40, when the images grow."""
+    rows = _STEPS * _GROWING_BATCH
+    data, _ = _growing_images(rows)
+    model = _conv_net(rows)
+    history = tfmemsafe.fit(
+        model, data, batch_size=_GROWING_BATCH, epochs=2, verbose=0
+    )
+    inner = model.inner_model
+    return {
+        "events": [dataclasses.asdict(e) for e in history.oom_events],
+        "seen": inner.seen.numpy().tolist(),
+        "forward_passes": float(inner._forward[0].numpy()),
+        "iterations": int(model.optimizer.iterations),
+        "history_rows": len(history.history["loss"]),
+        "epochs": history.epoch,
+        "effective_batch": history.batch_size * model.accumulation_steps,
+    }
+
+
+def growing_validation_under_cap():
+    """Validation at 128 runs out at step 5 of 10, when the images grow."""
+    rows = _STEPS * _GROWING_BATCH
+    data, _ = _growing_images(rows)
+    model = _conv_net(rows)
+    history = tfmemsafe.fit(
+        model,
+        lambda size: data(size).take(8),  # Small images only.
+        batch_size=16,
+        validation_data=data,
+        validation_batch_size=128,
+        verbose=0,
+    )
+    reference = model.evaluate(data(16), verbose=0, return_dict=True)
+    return {
+        "events": [dataclasses.asdict(e) for e in history.oom_events],
+        "forward_passes": float(model.inner_model._forward[0].numpy()),
+        "iterations": int(model.optimizer.iterations),
+        "val_loss": history.history["val_loss"],
+        "reference_val_loss": reference["loss"],
+    }
+
+
+def giving_up_under_cap():
+    """The images grow only in epoch 2, and batch 32 is the minimum."""
+    rows = _STEPS * _GROWING_BATCH
+    data, epoch = _growing_images(rows, grow_in_epoch=1)
+    model = _conv_net(rows)
+    model.optimizer.build(model.trainable_variables)
+    start = _state(model)
+    saved = {}
+
+    class SaveAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            saved[epoch] = _state(self.model)
+
+    try:
+        tfmemsafe.fit(
+            model,
+            data,
+            batch_size=_GROWING_BATCH,
+            min_batch_size=_GROWING_BATCH,
+            epochs=2,
+            callbacks=[_Epoch(epoch), SaveAtEpochEnd()],
+            verbose=0,
+        )
+    except tfmemsafe.OutOfMemoryError as err:
+        message = str(err)
+    state = _state(model)
+    return {
+        "message": message,
+        "iterations": int(model.optimizer.iterations),
+        "equals_epoch_end": state == saved.get(0),
+        "equals_start": state == start,
+    }
+
+
+_SCENARIOS = (
+    growing_batches_under_cap,
+    growing_validation_under_cap,
+    giving_up_under_cap,
+)
+
+
+class RealOutOfMemoryTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # Side by side, each in its own process: most of their time is the
+        # allocator's ten-second waits, which need no CPU.
+        cls._pool = concurrent.futures.ThreadPoolExecutor(len(_SCENARIOS))
+        cls._results = {
+            scenario: cls._pool.submit(
+                testing.run_with_memory_cap, scenario, _CAP_MB
+            )
+            for scenario in _SCENARIOS
+        }
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._pool.shutdown(wait=True)
+        super().tearDownClass()
+
+    def result(self, scenario):
+        return self._results[scenario].result()
+
+    def test_oom_mid_epoch_resumes_at_the_failed_step(self):
+        result = self.result(growing_batches_under_cap)
+        [event] = result["events"]
+        self.assertEqual((event["epoch"], event["step"]), (0, 20))
+        self.assertEqual(event["resumed_at_step"], 20)
+        self.assertEqual(
+            (event["batch_size_before"], event["batch_size_after"]), (32, 16)
+        )
+        rows = _STEPS * _GROWING_BATCH
+        # Every id exactly once per epoch, counted by the model's own
+        # state: the failed step's forward pass was undone.
+        self.assertEqual(result["seen"], [2.0] * rows)
+        # At most the epoch's samples plus the one failed batch.
+        self.assertEqual(result["forward_passes"], 2 * rows + _GROWING_BATCH)
+        # 40 updates an epoch, as without the error.
+        self.assertEqual(result["iterations"], 2 * _STEPS)
+        self.assertEqual(result["history_rows"], 2)
+        self.assertEqual(result["epochs"], [0, 1])
+        self.assertEqual(result["effective_batch"], _GROWING_BATCH)
+
+    def test_oom_mid_validation_resumes_the_validation(self):
+        result = self.result(growing_validation_under_cap)
+        # 128 runs out at step 5; 64 may too, at the same step.
+        first, *others = result["events"]
+        self.assertEqual(
+            (first["step"], first["batch_size_before"]), (5, 128), msg=first
+        )
+        for event in result["events"]:
+            self.assertEqual(event["phase"], "validation")
+            self.assertEqual(event["resumed_at_step"], 5)
+        # Training (8 batches of 16) was not replayed.
+        self.assertEqual(result["forward_passes"], 8 * 16)
+        self.assertEqual(result["iterations"], 8)
+        # The validation loss covers every sample once.
+        [val_loss] = result["val_loss"]
+        self.assertAllClose(val_loss, result["reference_val_loss"], rtol=1e-4)
+
+    def test_giving_up_leaves_the_last_completed_epoch(self):
+        result = self.result(giving_up_under_cap)
+        self.assertRegex(
+            result["message"],
+            r"^Could not fit a training batch of 32 after trying 32, and "
+            r"half of it would be below `min_batch_size`=32\. The model is "
+            r"as it was at the end of epoch 1 \(optimizer iterations 40\)",
+        )
+        self.assertEqual(result["iterations"], _STEPS)
+        self.assertTrue(result["equals_epoch_end"])
+
+
+_HOG = []  # What the memory hog holds on to, for the life of the worker.
+
+
+def train_worker_with_backup(backup_dir, hog_mb=0):
+    """Trains 3 epochs of a conv net; worker 1 fills its memory at epoch 1."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    index = distribute.worker_index(strategy)
+    begun = []
+
+    class MemoryHog(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            begun.append(epoch)
+            if hog_mb and index == 1 and epoch == 1:
+                _HOG.append(tf.ones((hog_mb * 2**18,), tf.float32))
+
+    rng = np.random.default_rng(0)
+    x = rng.random((128, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, 128)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((32, 32, 3))
+        hidden = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+        hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+        model = tfmemsafe.AccumulatingModel(
+            inputs, keras.layers.Dense(10)(hidden)
+        )
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    try:
+        history = tfmemsafe.fit(
+            model,
+            (x, y),
+            batch_size=64,
+            epochs=3,
+            callbacks=[
+                distribute.MultiWorkerBackupAndRestore(backup_dir),
+                MemoryHog(),
+            ],
+            shuffle=False,
+            verbose=0,
+        )
+    except tfmemsafe.OutOfMemoryError as err:
+        return {"error": str(err), "begun": begun}
+    return {
+        "epochs": history.epoch,
+        "begun": begun,
+        "batch_size": history.batch_size,
+        "accumulation_steps": model.accumulation_steps,
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+class MultiWorkerRestartTest(tf.test.TestCase):
+    def test_restarted_job_resumes_at_the_stored_smaller_size(self):
+        backup_dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, backup_dir, ignore_errors=True)
+        cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
+        failed = testing.run_workers(
+            train_worker_with_backup,
+            2,
+            args=[backup_dir],
+            kwargs={"hog_mb": 290},
+            env=cpu_only,
+            worker_env=[{}, testing.memory_cap_environment(300)],
+            timeout=300,
+        )
+        for result in failed:
+            self.assertIn("Out of memory on worker 1 of 2", result["error"])
+            self.assertIn(
+                "Restart all workers with the same command", result["error"]
+            )
+            self.assertIn("global batch size 32", result["error"])
+        # The same command, on both workers, with no flag changed.
+        resumed = testing.run_workers(
+            train_worker_with_backup,
+            2,
+            args=[backup_dir],
+            env=cpu_only,
+            timeout=300,
+        )
+        for result in resumed:
+            # Epoch 0 was backed up before the OOM; only 1 and 2 run.
+            self.assertEqual(result["begun"], [1, 2])
+            self.assertEqual(result["epochs"], [1, 2])
+            self.assertEqual(result["batch_size"], 32)
+            self.assertEqual(result["accumulation_steps"], 2)
+            # One update per 64 samples: 2 per epoch, 3 epochs.
+            self.assertEqual(result["iterations"], 6)
 
 
 if __name__ == "__main__":

@@ -1068,7 +1068,7 @@ class _FitRun:
             snapshot.restore()
         epoch = self.tracker.snapshot_epoch
         iterations = (
-            int(self.model.optimizer.iterations)
+            int(self.model.optimizer.iterations.numpy())
             if self.model.optimizer is not None
             else 0
         )
