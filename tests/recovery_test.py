@@ -227,20 +227,25 @@ def conv_net_under_cap():
         with open(csv_path) as f:
             result["csv_epochs"] = [int(r["epoch"]) for r in csv.DictReader(f)]
         result["checkpoints"] = sorted(os.listdir(directory))
-    # The same training without failures: each epoch whole at the batch
-    # size it finished with.
+    # The same training without failures: each epoch in the batch sizes
+    # it ran, switching at the steps where it resumed.
     reference = _conv_net()
     size = 1024
     for epoch in range(3):
+        parts, done, step = [], 0, 0
         for event in history.oom_events:
-            if event.epoch == epoch:
+            if event.epoch == epoch and event.resumed_at_step is None:
+                parts, done, step = [], 0, 0  # The epoch started again.
                 size = event.batch_size_after
-        reference.fit(
-            dataset.batch(size),
-            epochs=epoch + 1,
-            initial_epoch=epoch,
-            verbose=0,
-        )
+            elif event.epoch == epoch:
+                steps = event.resumed_at_step - step
+                parts.append(dataset.skip(done).take(steps * size).batch(size))
+                done, step = done + steps * size, event.resumed_at_step
+                size = event.batch_size_after
+        data = dataset.skip(done).batch(size)
+        for part in reversed(parts):
+            data = part.concatenate(data)
+        reference.fit(data, epochs=epoch + 1, initial_epoch=epoch, verbose=0)
     result.update(
         events=[dataclasses.asdict(e) for e in history.oom_events],
         loss=history.history["loss"],
@@ -348,10 +353,11 @@ def mirrored_strategy_under_cap():
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
-    x, y = _images(1024)
+    x, y = _images(2048)
     with strategy.scope():
         model = _conv_net()
-    too_large = tfmemsafe.fit(model, (x, y), batch_size=1024, verbose=0)
+    too_large = tfmemsafe.fit(model, (x, y), batch_size=2048, verbose=0)
+    x, y = x[:1024], y[:1024]
     # Here the error is raised at an exact step, to compare the resumed
     # run with one that never failed.
     with strategy.scope():
@@ -974,9 +980,10 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertIn("OOM when allocating", result["events"][0]["error"])
 
     def test_resumed_epoch_matches_training_that_never_failed(self):
-        # Steps of epoch 1 ran at 512 before the squeeze; had they not
-        # been undone (weights, Adam's moments and iteration count), the
-        # result would differ from this run that never failed.
+        # Steps of epoch 1 ran at 512 before the squeeze, and the rest of
+        # it at the smaller size; had the failed step applied part of its
+        # update (weights, Adam's moments, iteration count), the result
+        # would differ from this run that never failed.
         result = self.result(conv_net_under_cap)
         self.assertLess(result["difference_from_reference"], 1e-6)
 
@@ -1016,8 +1023,9 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertRegex(
             result["message"],
             r"^Could not fit a training batch of 1 after trying 2, 1, and "
-            r"half of it would be below `min_batch_size`=1\. Instead, try "
-            r"mixed precision",
+            r"half of it would be below `min_batch_size`=1\. The model is "
+            r"as it was before training \(optimizer iterations 0\)\. "
+            r"Instead, try mixed precision",
         )
         self.assertTrue(result["cause_is_oom"])
 
@@ -1053,7 +1061,7 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         [event] = result["too_large_events"]
         self.assertEqual(
             (event["batch_size_before"], event["batch_size_after"]),
-            (1024, 512),
+            (2048, 1024),
         )
         self.assertIn("OOM when allocating", event["error"])
 
