@@ -1058,11 +1058,13 @@ class RealOutOfMemoryTest(tf.test.TestCase):
 
     def test_global_batch_halves_under_a_mirrored_strategy(self):
         result = self.result(mirrored_strategy_under_cap)
-        [event] = result["too_large_events"]
+        # 2048 runs out; 1024 may too.
+        event, *more = result["too_large_events"]
         self.assertEqual(
             (event["batch_size_before"], event["batch_size_after"]),
             (2048, 1024),
         )
+        self.assertLessEqual(len(more), 1)
         self.assertIn("OOM when allocating", event["error"])
 
     def test_mirrored_variables_are_restored_on_every_replica(self):
