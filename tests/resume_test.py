@@ -138,6 +138,7 @@ class _Recorder(keras.callbacks.Callback):
         self.calls = []
         self.batches = {}
         self.epoch_logs = []
+        self.steps = []  # What the progress bar was told, per epoch.
 
     def on_train_begin(self, logs=None):
         self.calls.append("train_begin")
@@ -152,6 +153,7 @@ class _Recorder(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.calls.append(("epoch_end", epoch))
         self.epoch_logs.append(dict(logs))
+        self.steps.append(self.params["steps"])
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches[self.calls[-1][1]].append(batch)
@@ -317,6 +319,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
             ],
         )
         self.assertEqual(recorder.batches[1], list(range(11)))
+        self.assertEqual(recorder.steps, [8, 11, 16])
         self.assertEqual(recorder.batches[2], list(range(16)))
 
     def test_resumed_epoch_logs_and_weights_match_fit_on_the_same_batches(

@@ -501,6 +501,15 @@ class _Data:
             dataset = dataset.batch(batch_size)
         elif batch_size != self.batch_size or repeat:
             dataset = dataset.rebatch(batch_size)
+            rows = None if repeat else _rows_of_batched(self.data)
+            if rows is not None:
+                # `rebatch` hides the length; Keras shows it in the
+                # progress bar and stops the epoch by it.
+                dataset = dataset.apply(
+                    tf.data.experimental.assert_cardinality(
+                        math.ceil(rows / batch_size)
+                    )
+                )
         else:
             return dataset  # The user's pipeline, as it is.
         return dataset.prefetch(tf.data.AUTOTUNE)
@@ -605,7 +614,8 @@ class _Data:
         """The batches per epoch of `keras_arguments`, if known."""
         if self.kind == "arrays":
             split = arguments.get("validation_split") or 0.0
-            rows = math.floor(self.num_samples * (1.0 - split))
+            rows = _num_rows(arguments["x"])  # The rest, when resumed.
+            rows = math.floor(rows * (1.0 - split))
             return math.ceil(rows / arguments["batch_size"])
         cardinality = int(arguments["x"].cardinality())
         return cardinality if cardinality >= 0 else None
@@ -1666,6 +1676,25 @@ def _batching_of(dataset) -> tuple[bool, int | None]:
             return batched, sizes.pop() if batched and len(sizes) == 1 else None
         node = getattr(node, "_input_dataset", None)
     return False, None
+
+
+def _rows_of_batched(dataset) -> int | None:
+    """The samples of a batched dataset, when its pipeline tells them.
+
+    They are the length of what its `batch` batches, if that is known and
+    the batches count matches it (no `filter` after the batching, say).
+    """
+    batches = int(dataset.cardinality())
+    for node in _dataset_nodes(dataset):
+        if type(node).__name__ != "_BatchDataset":
+            continue
+        rows = int(node._input_dataset.cardinality())  # noqa: SLF001
+        size = int(node._batch_size)  # noqa: SLF001
+        drop = bool(node._drop_remainder)  # noqa: SLF001
+        if rows < 0 or drop:
+            return None
+        return rows if math.ceil(rows / size) == batches else None
+    return None
 
 
 def _is_deterministic(dataset) -> bool:
