@@ -414,6 +414,33 @@ class IsOomErrorTest(parameterized.TestCase, tf.test.TestCase):
     def test_other_errors_are_not_oom(self, error):
         self.assertFalse(tfmemsafe.is_oom_error(error))
 
+    def test_real_full_disk_is_not_oom(self):
+        # TensorFlow reports ENOSPC as RESOURCE_EXHAUSTED too.
+        with self.assertRaises(tf.errors.ResourceExhaustedError) as caught:
+            tf.io.write_file("/dev/full", "x" * 100_000)
+        self.assertIn("No space left on device", str(caught.exception))
+        self.assertFalse(tfmemsafe.is_oom_error(caught.exception))
+
+    @parameterized.named_parameters(
+        ("too_many_open_files", "/tmp/x; Too many open files"),
+        ("disk_quota", "/data/ckpt; Disk quota exceeded"),
+        ("grpc_message_size", "Received message larger than max (5 vs. 4)"),
+    )
+    def test_resource_exhausted_that_is_not_memory_is_not_oom(self, text):
+        error = tf.errors.ResourceExhaustedError(None, None, text)
+        self.assertFalse(tfmemsafe.is_oom_error(error))
+
+    def test_resource_exhausted_naming_an_allocation_is_oom_whatever_else(
+        self,
+    ):
+        error = tf.errors.ResourceExhaustedError(
+            None,
+            None,
+            "OOM when allocating tensor with shape[4096,4096]; while "
+            "writing /tmp/x; No space left on device",
+        )
+        self.assertTrue(tfmemsafe.is_oom_error(error))
+
     def test_real_parse_error_of_a_constant_is_not_oom(self):
         # 12 bytes of content for a 1024 x 256 float tensor.
         error = _const_error(_float_proto([1024, 256], content=b"\0" * 12))

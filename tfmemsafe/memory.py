@@ -157,7 +157,9 @@ def reset_peak_memory(device=None) -> bool:
 def is_oom_error(exc: BaseException | None) -> bool:
     """Tells whether an exception is an out-of-memory error.
 
-    Counted: `tf.errors.ResourceExhaustedError`, and any other
+    Counted: `tf.errors.ResourceExhaustedError` (unless its message says a
+    disk, a file table or an RPC size limit ran out: TensorFlow reports
+    those with the same code), and any other
     `tf.errors.OpError` or `RuntimeError` (XLA's `XlaRuntimeError`) whose
     message reports a failed allocation: XLA's "RESOURCE_EXHAUSTED" and
     "Out of memory while trying to allocate", "OOM when allocating", the
@@ -229,7 +231,8 @@ def _wrapped_error(exc: BaseException) -> BaseException | None:
 
 def _is_oom_itself(exc: BaseException) -> bool:
     if isinstance(exc, tf.errors.ResourceExhaustedError):
-        return True
+        # Also a full disk, too many open files or an oversized RPC.
+        return not _oom_messages.is_other_resource_text(str(exc))
     if isinstance(exc, (tf.errors.OpError, RuntimeError)):
         return _oom_messages.is_allocation_failure_text(str(exc))
     return False
