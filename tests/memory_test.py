@@ -1,5 +1,8 @@
 """Tests for tfmemsafe.memory: readings, limits and OOM detection."""
 
+import os
+from unittest import mock
+
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -143,6 +146,49 @@ class IsOomErrorTest(parameterized.TestCase, tf.test.TestCase):
         first, second = ValueError("a"), ValueError("b")
         first.__context__, second.__context__ = second, first
         self.assertFalse(tfmemsafe.is_oom_error(first))
+
+
+class CpuLimitTest(tf.test.TestCase):
+    """The CPU limit follows the allocator TensorFlow was told to use."""
+
+    def _limit(self, environment, machine_bytes):
+        with (
+            mock.patch.dict(os.environ, environment),
+            mock.patch.object(
+                memory, "machine_memory_bytes", return_value=machine_bytes
+            ),
+        ):
+            return memory.memory_info("CPU:0").limit_bytes
+
+    def test_bfc_without_a_cap_stops_at_tensorflows_64_gb(self):
+        limit = self._limit(
+            {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, 128 * 1024 * _MB
+        )
+        self.assertEqual(limit, 64 * 1024 * _MB)
+
+    def test_bfc_without_a_cap_on_a_small_machine_is_the_machine(self):
+        limit = self._limit({"TF_CPU_ALLOCATOR_USE_BFC": "1"}, 16 * 1024 * _MB)
+        self.assertEqual(limit, 16 * 1024 * _MB)
+
+    def test_bfc_cap_wins(self):
+        limit = self._limit(
+            {
+                "TF_CPU_ALLOCATOR_USE_BFC": "true",
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300",
+            },
+            128 * 1024 * _MB,
+        )
+        self.assertEqual(limit, 300 * _MB)
+
+    def test_other_allocators_get_the_whole_machine(self):
+        limit = self._limit(
+            {
+                "TF_CPU_ALLOCATOR_USE_BFC": "false",
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300",
+            },
+            128 * 1024 * _MB,
+        )
+        self.assertEqual(limit, 128 * 1024 * _MB)
 
 
 if __name__ == "__main__":

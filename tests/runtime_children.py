@@ -98,7 +98,6 @@ def monitor_sources():
     )
     return {
         "sources": sorted({sample.source for sample in monitor.samples}),
-        "peaks_mb": [sample.peak_mb for sample in monitor.samples],
         "memory_peak_mb": history.history["memory_peak_mb"],
         "reason": tfmemsafe.memory_info("CPU:0").reason,
     }

@@ -192,19 +192,6 @@ class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIn(result["variable"], (None, ""))
         self.assertGreaterEqual(result["current_bytes"], 4 * _MB)
 
-    def test_without_statistics_memory_monitor_reads_process_rss(self):
-        result = _in_child(
-            runtime_children.monitor_sources,
-            "0",
-            env={"TFMEMSAFE_CPU_BFC_ALLOCATOR": "false"},
-        )
-        self.assertIn("CPU:0", result["reason"])
-        self.assertEqual(result["sources"], ["process_rss"])
-        self.assertNotEmpty(result["peaks_mb"])
-        # The resident memory of a process running TensorFlow.
-        self.assertGreater(min(result["peaks_mb"]), 50)
-        self.assertGreater(result["memory_peak_mb"][0], 50)
-
     @parameterized.named_parameters(*_CPU_KINDS)
     def test_memory_monitor_reads_the_allocator_by_default(self, onednn):
         result = _in_child(runtime_children.monitor_sources, onednn)
