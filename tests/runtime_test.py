@@ -211,6 +211,9 @@ class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
             ),
         ):
             allocator, reason = runtime._set_cpu_allocator(True, [])
+            self.assertEqual(
+                runtime._set_cpu_allocator(True, []), (allocator, reason)
+            )
             self.assertEqual(os.environ["TF_CPU_ALLOCATOR_USE_BFC"], "true")
             self.assertEqual(
                 os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"], str(128 * 1024)

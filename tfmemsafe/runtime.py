@@ -230,15 +230,16 @@ def _set_cpu_allocator(requested: bool, warnings: list[str]) -> tuple[str, str]:
         return _allocator_in_use(False), "not requested"
     _set_environment(_TF_USE_BFC, "true")
     reason = f"{_TF_USE_BFC}=true, set by tfmemsafe"
-    if os.environ.get(_TF_BFC_LIMIT, "").strip():
-        return "bfc", reason
-    # TensorFlow reads an empty limit as 0 bytes, and crashes.
-    os.environ.pop(_TF_BFC_LIMIT, None)
-    machine = memory.machine_memory_bytes()
-    if machine and machine > memory.TF_BFC_DEFAULT_LIMIT_BYTES:
-        # TensorFlow's BFC allocator would otherwise stop at 64 GB.
-        _set_environment(_TF_BFC_LIMIT, str(machine // (1024 * 1024)))
-        reason += f", and {_TF_BFC_LIMIT}={os.environ[_TF_BFC_LIMIT]}"
+    if not os.environ.get(_TF_BFC_LIMIT, "").strip():
+        # TensorFlow reads an empty limit as 0 bytes, and crashes.
+        os.environ.pop(_TF_BFC_LIMIT, None)
+        machine = memory.machine_memory_bytes()
+        if machine and machine > memory.TF_BFC_DEFAULT_LIMIT_BYTES:
+            # TensorFlow's BFC allocator would otherwise stop at 64 GB.
+            _set_environment(_TF_BFC_LIMIT, str(machine // (1024 * 1024)))
+    limit = os.environ.get(_TF_BFC_LIMIT)
+    if limit is not None and _environment_set.get(_TF_BFC_LIMIT) == limit:
+        reason += f", and {_TF_BFC_LIMIT}={limit}"
     return "bfc", reason
 
 
