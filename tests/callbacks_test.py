@@ -562,10 +562,16 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self.assertGreater(logs["memory_current_mb_cpu_1"], 0)
 
     def test_cpu_without_allocator_statistics_reads_labelled_rss(self):
-        # Without oneDNN and the BFC allocator the CPU keeps no statistics.
+        # Without oneDNN and the BFC allocator the CPU keeps no statistics:
+        # the user opted out of the BFC allocator that tfmemsafe sets.
         result = testing.run_in_subprocess(
             _fit_without_allocator_statistics,
-            env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""},
+            env={
+                "TF_ENABLE_ONEDNN_OPTS": "0",
+                "CUDA_VISIBLE_DEVICES": "",
+                "TFMEMSAFE_CPU_BFC_ALLOCATOR": "0",
+                "TF_CPU_ALLOCATOR_USE_BFC": "",
+            },
         )
         self.assertEqual(result["sources"], ["process_rss"])
         self.assertTrue(result["positive"])

@@ -1,5 +1,8 @@
 """Tests for tfmemsafe.memory: readings, limits and OOM detection."""
 
+import os
+from unittest import mock
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -663,6 +666,49 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertEqual(history.oom_events[0].batch_size_after, 512)
         self.assertEqual(history.batch_size, 512)
         self.assertLen(history.history["loss"], 1)
+
+
+class CpuLimitTest(tf.test.TestCase):
+    """The CPU limit follows the allocator TensorFlow was told to use."""
+
+    def _limit(self, environment, machine_bytes):
+        with (
+            mock.patch.dict(os.environ, environment),
+            mock.patch.object(
+                memory, "machine_memory_bytes", return_value=machine_bytes
+            ),
+        ):
+            return memory.memory_info("CPU:0").limit_bytes
+
+    def test_bfc_without_a_cap_stops_at_tensorflows_64_gb(self):
+        limit = self._limit(
+            {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, 128 * 1024 * _MB
+        )
+        self.assertEqual(limit, 64 * 1024 * _MB)
+
+    def test_bfc_without_a_cap_on_a_small_machine_is_the_machine(self):
+        limit = self._limit({"TF_CPU_ALLOCATOR_USE_BFC": "1"}, 16 * 1024 * _MB)
+        self.assertEqual(limit, 16 * 1024 * _MB)
+
+    def test_bfc_cap_wins(self):
+        limit = self._limit(
+            {
+                "TF_CPU_ALLOCATOR_USE_BFC": "true",
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300",
+            },
+            128 * 1024 * _MB,
+        )
+        self.assertEqual(limit, 300 * _MB)
+
+    def test_other_allocators_get_the_whole_machine(self):
+        limit = self._limit(
+            {
+                "TF_CPU_ALLOCATOR_USE_BFC": "false",
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300",
+            },
+            128 * 1024 * _MB,
+        )
+        self.assertEqual(limit, 128 * 1024 * _MB)
 
 
 if __name__ == "__main__":

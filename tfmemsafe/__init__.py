@@ -1,7 +1,8 @@
 """tfmemsafe: train large Keras 3 / TensorFlow networks without OOM crashes.
 
-Importing it turns on GPU memory growth and picks the dtype policy (see
-`tfmemsafe.configure`); set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
+Importing it turns on GPU memory growth, picks the dtype policy and gives
+the CPU an allocator that keeps statistics (see `tfmemsafe.configure`);
+set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
 """
 
 from tfmemsafe import data
