@@ -446,17 +446,7 @@ def _print_summary(summary: dict, several_runs: bool) -> None:
         events = report["oom_recoveries"]
         lines.append(f"{indent}out-of-memory recoveries: {len(events)}")
         for event in events:
-            accumulation = (
-                ""
-                if event["accumulation_steps"] is None
-                else f", accumulation steps {event['accumulation_steps']}"
-            )
-            lines.append(
-                f"{indent}  epoch {event['epoch'] + 1}, {event['phase']} "
-                f"step {event['step']}: batch size "
-                f"{event['batch_size_before']} -> "
-                f"{event['batch_size_after']}{accumulation}"
-            )
+            lines.append(f"{indent}  {tfmemsafe.OOMEvent(**event)}")
         if report["batch_size"] is not None:
             steps = report["accumulation_steps"] or 1
             lines.append(

@@ -17,19 +17,20 @@ from tfmemsafe.backbones import build_frozen_mobilenet_v2
 from tfmemsafe.backbones import cache_features
 from tfmemsafe.backbones import fit_head
 from tfmemsafe.backbones import unfreeze
+from tfmemsafe.batch_search import find_max_batch_size
 from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import DatasetUnavailableError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.history import FitHistory
+from tfmemsafe.history import OOMEvent
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
 from tfmemsafe.memory import is_oom_error
 from tfmemsafe.memory import memory_info
 from tfmemsafe.memory import reset_peak_memory
-from tfmemsafe.recovery import OOMEvent
 from tfmemsafe.recovery import evaluate
-from tfmemsafe.recovery import find_max_batch_size
 from tfmemsafe.recovery import fit
 from tfmemsafe.recovery import predict
 from tfmemsafe.runtime import RuntimeConfig
@@ -42,6 +43,7 @@ __all__ = [
     "AccumulatingModel",
     "Checkpointed",
     "DatasetUnavailableError",
+    "FitHistory",
     "GradientAccumulator",
     "InferenceMode",
     "MemoryInfo",

@@ -1,0 +1,279 @@
+"""The user's data, one class per kind, at any batch size.
+
+`fit`, `evaluate`, `predict` and `find_max_batch_size` take arrays, an
+unbatched `tf.data.Dataset`, a batched one, or a callable
+`batch_size -> tf.data.Dataset`. `source_for` picks the class for the data
+it is given; every class answers the same questions: the arguments for
+`model.fit`, `evaluate` and `predict` at a batch size, the validation
+arguments, the arguments of a short trial, the sample count, inputs to
+build the model with, and the number of batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tfmemsafe import _checks
+
+# Keras' default batch size, used for arrays and unbatched datasets.
+DEFAULT_BATCH_SIZE = 32
+# `tf.data` transformations that batch or unbatch their input, by class.
+_BATCHING = (
+    "_BatchDataset",
+    "_PaddedBatchDataset",
+    "_ParallelBatchDataset",
+    "_RebatchDataset",
+)
+_UNBATCHING = ("_UnbatchDataset",)
+
+
+def source_for(data, argument: str, *, labelled: bool) -> Source:
+    """The source for `data`, passed as `argument`.
+
+    Args:
+        data: The user's data.
+        argument: str. The name the user passed it as, for messages.
+        labelled: bool. Whether arrays come as `(x, y[, sample_weight])`
+            (training and evaluation) rather than inputs alone (predict).
+
+    Raises:
+        TypeError: If `data` is of no accepted kind.
+    """
+    if isinstance(data, tf.data.Dataset):
+        batched, batch_size = _batching_of(data)
+        if batched:
+            return BatchedDataset(data, argument, batch_size)
+        return UnbatchedDataset(data, argument)
+    if callable(data):
+        return DatasetCallable(data, argument)
+    if labelled and _is_labelled_arrays(data):
+        return Arrays(data, argument, labelled=True)
+    if not labelled and _is_arrays(data):
+        return Arrays(data, argument, labelled=False)
+    arrays = "(x, y) or (x, y, sample_weight)" if labelled else "x"
+    raise TypeError(
+        f"`{argument}` must be a callable `batch_size -> "
+        "tf.data.Dataset`, a tf.data.Dataset, or arrays "
+        f"{arrays}. Received: {argument}={data!r:.80} of type "
+        f"{type(data).__name__}"
+    )
+
+
+def num_rows(structure) -> int:
+    """The length of the first dimension of a structure's first array."""
+    return int(keras.tree.flatten(structure)[0].shape[0])
+
+
+class Source:
+    """Data of one kind, at any batch size: the questions each kind answers.
+
+    Attributes:
+        data: The user's data, as given.
+        argument: str. The name it was passed as, for messages.
+        batch_size: int or `None`. The size a batched dataset comes in;
+            `None` for the other kinds, or when it cannot be read.
+    """
+
+    def __init__(self, data, argument: str, batch_size: int | None = None):
+        self.data = data
+        self.argument = argument
+        self.batch_size = batch_size
+
+    def resolve_batch_size(self, batch_size: int | None) -> int:
+        """The `batch_size` argument, or this data's default for `None`."""
+        if batch_size is None:
+            return self.default_batch_size()
+        return _checks.integer("batch_size", batch_size, 1)
+
+    def default_batch_size(self) -> int:
+        return DEFAULT_BATCH_SIZE
+
+    @property
+    def num_samples(self) -> int | None:
+        """The number of samples, if known without reading the data."""
+        return None
+
+    def fit_defaults(self) -> dict:
+        """`model.fit` arguments that the user's own override."""
+        # Keras ignores `shuffle` for datasets, and warns when it is left at
+        # its default, True.
+        return {"shuffle": False}
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        """The data as a dataset of batches of `batch_size`."""
+        raise NotImplementedError
+
+    def keras_arguments(self, batch_size: int, skip: int = 0) -> dict:
+        """Arguments for `model.fit/evaluate/predict`, from sample `skip`."""
+        dataset = self.dataset(batch_size)
+        if skip and skip % batch_size == 0:
+            dataset = dataset.skip(skip // batch_size)
+        elif skip:
+            dataset = dataset.unbatch().skip(skip).batch(batch_size)
+        return {"x": dataset}
+
+    def validation_arguments(self, batch_size: int) -> dict:
+        """`model.fit` arguments that validate on this data."""
+        return {"validation_data": self.dataset(batch_size)}
+
+    def trial_arguments(self, batch_size: int, steps: int) -> dict:
+        """Arguments for `model.fit` to train `steps` full batches."""
+        return {
+            "x": self.dataset(batch_size, repeat=True).take(steps),
+            "shuffle": False,
+        }
+
+    def num_batches(self, arguments: dict) -> int | None:
+        """The batches per epoch of `keras_arguments`, if known."""
+        cardinality = int(arguments["x"].cardinality())
+        return cardinality if cardinality >= 0 else None
+
+    def sample_inputs(self):
+        """The inputs of one sample, as a batch of one, to build a model."""
+        batch = next(iter(self.dataset(1).take(1)))
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        return x
+
+
+class Arrays(Source):
+    """Arrays: `(x, y[, sample_weight])`, or the inputs `x` alone."""
+
+    def __init__(self, data, argument: str, *, labelled: bool):
+        super().__init__(data, argument)
+        self.labelled = labelled
+        if labelled:
+            self.x, self.y, self.sample_weight = (*data, None)[:3]
+        else:
+            self.x, self.y, self.sample_weight = data, None, None
+
+    @property
+    def num_samples(self) -> int:
+        return num_rows(self.x)
+
+    def fit_defaults(self) -> dict:
+        return {}  # Keras shuffles arrays by default; so do we.
+
+    def keras_arguments(self, batch_size: int, skip: int = 0) -> dict:
+        if not self.labelled:
+            x = keras.tree.map_structure(lambda a: a[skip:], self.x)
+            return {"x": x, "batch_size": batch_size}
+        return {
+            "x": self.x,
+            "y": self.y,
+            "sample_weight": self.sample_weight,
+            "batch_size": batch_size,
+        }
+
+    def validation_arguments(self, batch_size: int) -> dict:
+        return {
+            "validation_data": tuple(self.data),
+            "validation_batch_size": batch_size,
+        }
+
+    def trial_arguments(self, batch_size: int, steps: int) -> dict:
+        # The whole arrays are passed, not a slice: Keras holds them in
+        # device memory, and the trial must need what training will.
+        arguments = self.keras_arguments(batch_size)
+        arguments.update(shuffle=False, steps_per_epoch=steps)
+        return arguments
+
+    def num_batches(self, arguments: dict) -> int:
+        split = arguments.get("validation_split") or 0.0
+        rows = math.floor(self.num_samples * (1.0 - split))
+        return math.ceil(rows / arguments["batch_size"])
+
+    def sample_inputs(self):
+        return keras.tree.map_structure(lambda a: a[:1], self.x)
+
+
+class UnbatchedDataset(Source):
+    """A `tf.data.Dataset` of single samples: batched and prefetched here."""
+
+    @property
+    def num_samples(self) -> int | None:
+        cardinality = int(self.data.cardinality())
+        return cardinality if cardinality >= 0 else None
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        dataset = self.data.repeat() if repeat else self.data
+        return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+class BatchedDataset(Source):
+    """A `tf.data.Dataset` of batches: rebatched at other sizes."""
+
+    def default_batch_size(self) -> int:
+        if self.batch_size is None:
+            raise ValueError(
+                "`batch_size` is required: the batch size of "
+                f"`{self.argument}` could not be read from its "
+                "pipeline. Received: batch_size=None"
+            )
+        return self.batch_size
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        if batch_size == self.batch_size and not repeat:
+            return self.data  # The user's pipeline, as it is.
+        dataset = self.data.repeat() if repeat else self.data
+        return dataset.rebatch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+class DatasetCallable(Source):
+    """A callable `batch_size -> tf.data.Dataset`: the user's pipeline."""
+
+    def default_batch_size(self) -> int:
+        raise ValueError(
+            f"`batch_size` is required when `{self.argument}` is a "
+            "callable: it is the size your pipeline is built at. "
+            "Received: batch_size=None"
+        )
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        dataset = self.data(batch_size)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"`{self.argument}` must return a tf.data.Dataset when "
+                f"called with a batch size. Received: "
+                f"{self.argument}({batch_size}) = {dataset!r:.80}"
+            )
+        return dataset.repeat() if repeat else dataset
+
+
+def _batching_of(dataset) -> tuple[bool, int | None]:
+    """Whether a dataset's pipeline batches, and the batch size if known."""
+    node = dataset
+    while node is not None:
+        name = type(node).__name__
+        if name in _BATCHING:
+            size = getattr(node, "_batch_size", None)
+            try:
+                return True, int(size) if size is not None else None
+            except TypeError:
+                return True, None
+        if name in _UNBATCHING:
+            return False, None
+        inputs = getattr(node, "_datasets", None)  # zip and similar
+        if inputs:
+            found = [_batching_of(d) for d in tf.nest.flatten(inputs)]
+            sizes = {size for _, size in found}
+            batched = all(b for b, _ in found)
+            return batched, sizes.pop() if batched and len(sizes) == 1 else None
+        node = getattr(node, "_input_dataset", None)
+    return False, None
+
+
+def _is_arrays(x) -> bool:
+    leaves = keras.tree.flatten(x)
+    return bool(leaves) and all(hasattr(leaf, "shape") for leaf in leaves)
+
+
+def _is_labelled_arrays(data) -> bool:
+    return (
+        isinstance(data, (tuple, list))
+        and len(data) in (2, 3)
+        and _is_arrays(data[0])
+        and all(part is None or _is_arrays(part) for part in data[1:])
+    )
