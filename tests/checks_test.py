@@ -92,6 +92,51 @@ class IntegerArgumentTest(parameterized.TestCase, tf.test.TestCase):
             tfmemsafe.fit(_dense_model(), _table(), batch_size=value)
 
 
+class MinBatchSizeTest(tf.test.TestCase):
+    def test_fit_refuses_a_floor_above_the_batch_size_naming_both(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`min_batch_size` must be <= `batch_size`, the batch size to "
+            r"start at. Received: min_batch_size=64, batch_size=32",
+        ):
+            tfmemsafe.fit(
+                _dense_model(), _table(), batch_size=32, min_batch_size=64
+            )
+
+    def test_fit_refuses_a_floor_above_the_validation_batch_size(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`min_batch_size` must be <= `validation_batch_size`.*"
+            r"validation_batch_size=8",
+        ):
+            tfmemsafe.fit(
+                _dense_model(),
+                _table(),
+                batch_size=32,
+                validation_data=_table(),
+                validation_batch_size=8,
+                min_batch_size=16,
+            )
+
+    def test_evaluate_and_predict_refuse_a_floor_above_the_batch_size(self):
+        model = _dense_model()
+        x, y = _table()
+        with self.assertRaisesRegex(ValueError, r"^`min_batch_size` must"):
+            tfmemsafe.evaluate(model, (x, y), batch_size=8, min_batch_size=9)
+        with self.assertRaisesRegex(ValueError, r"^`min_batch_size` must"):
+            tfmemsafe.predict(model, x, batch_size=8, min_batch_size=9)
+
+    def test_a_floor_equal_to_the_batch_size_is_accepted(self):
+        history = tfmemsafe.fit(
+            _dense_model(),
+            _table(),
+            batch_size=16,
+            min_batch_size=16,
+            verbose=0,
+        )
+        self.assertEqual(history.batch_size, 16)
+
+
 class CallbackArgumentTest(tf.test.TestCase):
     def test_fit_accepts_a_lone_callback(self):
         counter = _EpochCounter()

@@ -170,6 +170,13 @@ def fit(
         verbose=verbose,
         other_arguments=other_arguments,
     )
+    if settings.validation_batch_size is not None:
+        _checks.integer("validation_batch_size", settings.validation_batch_size)
+    _check_start(
+        min_batch_size,
+        batch_size=settings.batch_size,
+        validation_batch_size=settings.validation_batch_size,
+    )
     return _FitRun(model, settings, _checks.callbacks(callbacks)).train()
 
 
@@ -227,6 +234,7 @@ def evaluate(
         min_batch_size=min_batch_size,
         budget=RetryBudget(max_retries),
     )
+    _check_start(min_batch_size, batch_size=sizes.batch_size)
     callbacks = _monitors_first(_checks.callbacks(callbacks))
 
     def attempt():
@@ -303,6 +311,7 @@ def predict(
         min_batch_size=min_batch_size,
         budget=RetryBudget(max_retries),
     )
+    _check_start(min_batch_size, batch_size=sizes.batch_size)
     progress = PredictionProgress()
     callbacks = _monitors_first([progress, *_checks.callbacks(callbacks)])
 
@@ -579,3 +588,14 @@ def _check_limits(min_batch_size, max_retries) -> None:
     _checks.integer("min_batch_size", min_batch_size, 1)
     if max_retries is not None:
         _checks.integer("max_retries", max_retries, 0)
+
+
+def _check_start(min_batch_size: int, **sizes: int | None) -> None:
+    """Refuses a batch size to start at that is below `min_batch_size`."""
+    for name, size in sizes.items():
+        if size is not None and size < min_batch_size:
+            raise ValueError(
+                f"`min_batch_size` must be <= `{name}`, the batch size to "
+                f"start at. Received: min_batch_size={min_batch_size}, "
+                f"{name}={size}"
+            )
