@@ -16,7 +16,7 @@ from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
-from tfmemsafe import callbacks
+from tfmemsafe import _sample_writers
 from tfmemsafe import testing
 
 # TensorFlow's BFC allocator on the CPU: exact, repeatable peaks.
@@ -250,7 +250,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             batch_size=kw.pop("batch_size", 32),
             epochs=epochs,
             verbose=0,
-            callbacks=[*extra_callbacks, monitor],
+            callbacks=[monitor, *extra_callbacks],
             **kw,
         )
 
@@ -308,7 +308,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             [s for s in range(14) if s % 7 % every_n_batches == 0],
         )
 
-    def test_callbacks_listed_before_it_see_the_memory_keys(self):
+    def test_callbacks_listed_after_it_see_the_memory_keys(self):
         csv_path = os.path.join(self.get_temp_dir(), "epochs.csv")
         csv_logger = keras.callbacks.CSVLogger(csv_path)
         # Stops after epoch 1 if and only if it can read memory_peak_mb.
@@ -327,6 +327,38 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         self.assertLen(rows, 2)
+        self.assertAllClose(
+            [float(row["memory_peak_mb"]) for row in rows],
+            history.history["memory_peak_mb"],
+        )
+
+    def test_tfmemsafe_fit_puts_the_monitor_before_callbacks_using_it(self):
+        # Listed last: tfmemsafe.fit moves it before the callbacks that read
+        # memory_peak_mb; model.fit would not.
+        csv_path = os.path.join(self.get_temp_dir(), "epochs.csv")
+        csv_logger = keras.callbacks.CSVLogger(csv_path)
+        early_stopping = keras.callbacks.EarlyStopping(
+            monitor="memory_peak_mb", mode="max", min_delta=1e9, patience=1
+        )
+        x, y = _data(128)
+        history = tfmemsafe.fit(
+            _conv_net(),
+            (x, y),
+            batch_size=32,
+            epochs=5,
+            verbose=0,
+            callbacks=[
+                csv_logger,
+                early_stopping,
+                tfmemsafe.MemoryMonitor(verbose=0),
+            ],
+        )
+        self.assertEqual(history.epoch, [0, 1])
+        self.assertEqual(
+            early_stopping.best, history.history["memory_peak_mb"][0]
+        )
+        with open(csv_path) as f:
+            rows = list(csv.DictReader(f))
         self.assertAllClose(
             [float(row["memory_peak_mb"]) for row in rows],
             history.history["memory_peak_mb"],
@@ -353,7 +385,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         model = _conv_net()
         x, y = _data(128)
         callbacks = _OneRunCallbackList(
-            [_FailOnce(), monitor], add_history=True, model=model
+            [monitor, _FailOnce()], add_history=True, model=model
         )
         with self.assertRaises(tf.errors.ResourceExhaustedError):
             model.fit(
@@ -416,7 +448,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self._fit(monitor, epochs=2, count=64)
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
-        self.assertEqual(list(rows[0]), list(callbacks._CSV_FIELDS))
+        self.assertEqual(list(rows[0]), list(_sample_writers.CSV_FIELDS))
         self.assertEqual(
             [(r["epoch"], r["batch"], r["phase"]) for r in rows],
             [("0", "0", "train"), ("0", "1", "train")]
