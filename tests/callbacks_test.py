@@ -16,6 +16,7 @@ from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
+from tfmemsafe import _memory_report
 from tfmemsafe import _sample_writers
 from tfmemsafe import testing
 
@@ -510,20 +511,47 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             tfmemsafe.MemoryMonitor().summary(), "MemoryMonitor: no readings"
         )
 
-    def test_device_without_statistics_is_reported_once_and_skipped(self):
+    def test_device_that_does_not_exist_is_refused_when_training_starts(
+        self,
+    ):
         if tf.config.list_logical_devices("GPU"):
-            self.skipTest("GPU:0 exists and has statistics here")
-        monitor = tfmemsafe.MemoryMonitor(devices=["CPU:0", "GPU:0"])
-        with _WarningRecorder() as messages:
-            history = self._fit(monitor)
-            self._fit(monitor)  # Reused: not said again.
-        self.assertLen(messages, 1)
-        self.assertStartsWith(
-            messages[0], "MemoryMonitor: cannot read the memory of GPU:0"
+            self.skipTest("GPU:0 exists here")
+        model = _conv_net()
+        weights = [w.numpy() for w in model.weights]
+        monitor = tfmemsafe.MemoryMonitor(devices=["CPU:0", "GPU:7"])
+        x, y = _data(32)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`devices` must name devices that this process has; GPU:7 is "
+            r"not among them \(CPU:0.*\). Received: devices=\['CPU:0', "
+            r"'GPU:7'\]",
+        ):
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[monitor])
+        self.assertAllClose([w.numpy() for w in model.weights], weights)
+        with self.assertRaisesRegex(ValueError, r"^`devices` must name"):
+            model.evaluate(x, y, verbose=0, callbacks=[monitor])
+
+    def test_setup_declares_the_tensorboard_extra_keras_needs(self):
+        # keras.callbacks.TensorBoard imports `tensorboard`, which
+        # TensorFlow 2.21 no longer installs.
+        import configparser
+
+        setup = configparser.ConfigParser()
+        setup.read(os.path.join(os.path.dirname(__file__), "..", "setup.cfg"))
+        extras = setup["options.extras_require"]
+        self.assertIn("tensorboard", extras["tensorboard"].split())
+
+    def test_summary_of_a_run_without_readings_does_not_blame_the_user(self):
+        text = _memory_report.summary(
+            {}, {}, ["GPU:0: not monitored (no statistics)."], started=True
         )
-        self.assertEqual({s.device for s in monitor.samples}, {"CPU:0"})
-        self.assertGreater(history.history["memory_peak_mb"][0], 0)
-        self.assertIn("GPU:0: not monitored", monitor.summary())
+        self.assertStartsWith(
+            text,
+            "MemoryMonitor: no readings: none of the monitored devices keeps "
+            "memory statistics.",
+        )
+        self.assertNotIn("Pass it to fit()", text)
+        self.assertIn("GPU:0: not monitored", text)
 
     @parameterized.named_parameters(
         ("zero_batches", {"every_n_batches": 0}, "`every_n_batches` must"),

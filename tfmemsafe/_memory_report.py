@@ -23,6 +23,8 @@ def summary(
     peaks: dict[str, dict[str, float]],
     limits_mb: dict[str, float | None],
     notes: list[str],
+    *,
+    started: bool,
 ) -> str:
     """Returns the table of peak memory per row (epoch or run) and device.
 
@@ -32,13 +34,23 @@ def summary(
         limits_mb: The limit in MB (`None` if unknown) of each monitored
             device: the table's columns, in order.
         notes: Lines to add below the table.
+        started: Whether the monitor was passed to a run: without
+            readings, the summary then says why, not what to do.
     """
     devices = list(limits_mb)
     if not devices or not peaks:
-        text = (
-            "MemoryMonitor: no readings yet. Pass it to fit(), "
-            "evaluate() or predict() in `callbacks`."
-        )
+        if not started:
+            text = (
+                "MemoryMonitor: no readings yet. Pass it to fit(), "
+                "evaluate() or predict() in `callbacks`."
+            )
+        elif not devices:
+            text = (
+                "MemoryMonitor: no readings: none of the monitored devices "
+                "keeps memory statistics."
+            )
+        else:
+            text = "MemoryMonitor: no readings: the run ended before any."
         return "\n".join([text, *notes])
     rows = [
         (label, {d: f"{row[d]:.1f}" for d in devices if d in row})

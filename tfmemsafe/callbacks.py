@@ -77,6 +77,8 @@ class _Record:
     )
     epoch: int | None = None
     in_fit: bool = False
+    # Whether fit(), evaluate() or predict() has run with the monitor.
+    started: bool = False
     # Whether this epoch (or run) has warned already.
     warned: bool = False
 
@@ -203,8 +205,8 @@ class MemoryMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._close_writers()  # Left open if the last fit() raised.
-        self._record = _Record(in_fit=True)
-        self._memory.discover(self.devices or _default_devices(self.model))
+        self._discover()  # Before the record: it may refuse the devices.
+        self._record = _Record(in_fit=True, started=True)
         self._open_writers(append=False)
 
     def on_train_end(self, logs=None):
@@ -274,7 +276,9 @@ class MemoryMonitor(keras.callbacks.Callback):
             device: None if limit is None else limit / _MB
             for device, limit in self._memory.limits.items()
         }
-        return _memory_report.summary(peaks, limits_mb, self._memory.notes())
+        return _memory_report.summary(
+            peaks, limits_mb, self._memory.notes(), started=record.started
+        )
 
     def plot(self, path: str | os.PathLike | None = None, phase="train"):
         """Draws memory over the batches, one color per device.
@@ -335,12 +339,32 @@ class MemoryMonitor(keras.callbacks.Callback):
                 writer.write(sample)
             self._check_limit(device, peak, phase, batch)
 
+    def _discover(self):
+        """Decides how to read the devices, refusing ones that don't exist."""
+        if self.devices is None:
+            self._memory.discover(_default_devices(self.model))
+            return
+        present = [
+            memory.device_name(device)
+            for device in tf.config.list_logical_devices()
+        ]
+        missing = [device for device in self.devices if device not in present]
+        if missing:
+            raise ValueError(
+                "`devices` must name devices that this process has; "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                f"not among them ({', '.join(present)}). "
+                f"Received: devices={self.devices!r}"
+            )
+        self._memory.discover(self.devices)
+
     def _on_run_begin(self, phase):
         self._record.calls[phase] = 0
         if self._record.in_fit:
             return  # Validation: part of the epoch and of its peak.
         self._record.epoch = None
-        self._memory.discover(self.devices or _default_devices(self.model))
+        self._record.started = True
+        self._discover()
         self._start_peak()
         self._open_writers(append=True)
 
