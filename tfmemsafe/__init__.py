@@ -13,14 +13,14 @@ from tfmemsafe.accumulation import with_gradient_accumulation
 from tfmemsafe.backbones import InferenceMode
 from tfmemsafe.backbones import UnfreezeSummary
 from tfmemsafe.backbones import build_frozen_mobilenet_v2
-from tfmemsafe.backbones import cache_features
-from tfmemsafe.backbones import fit_head
 from tfmemsafe.backbones import unfreeze
 from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import DatasetUnavailableError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.feature_cache import cache_features
+from tfmemsafe.feature_cache import fit_head
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
 from tfmemsafe.memory import is_oom_error
