@@ -14,8 +14,6 @@ from tfmemsafe.accumulation import with_gradient_accumulation
 from tfmemsafe.backbones import InferenceMode
 from tfmemsafe.backbones import UnfreezeSummary
 from tfmemsafe.backbones import build_frozen_mobilenet_v2
-from tfmemsafe.backbones import cache_features
-from tfmemsafe.backbones import fit_head
 from tfmemsafe.backbones import unfreeze
 from tfmemsafe.batch_search import find_max_batch_size
 from tfmemsafe.callbacks import MemoryMonitor
@@ -23,6 +21,8 @@ from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import DatasetUnavailableError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.feature_cache import cache_features
+from tfmemsafe.feature_cache import fit_head
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.memory import MemoryInfo

@@ -13,8 +13,8 @@ import keras
 import numpy as np
 from absl import logging
 
-from tfmemsafe import accumulation
 from tfmemsafe._sources import num_rows
+from tfmemsafe.gradient_accumulator import GradientAccumulator
 
 
 class Snapshot:
@@ -232,7 +232,7 @@ def _gradient_accumulators(model) -> list:
     return [
         value
         for value in vars(model).values()
-        if isinstance(value, accumulation.GradientAccumulator)
+        if isinstance(value, GradientAccumulator)
     ]
 
 
