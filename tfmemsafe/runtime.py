@@ -17,10 +17,10 @@ PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 # with compute capability 7.0 (Volta).
 _MIN_MIXED_FLOAT16_CAPABILITY = (7, 0)
 
-ENV_AUTOCONFIGURE = "TFMEMSAFE_AUTOCONFIGURE"
-ENV_MEMORY_GROWTH = "TFMEMSAFE_MEMORY_GROWTH"
-ENV_PRECISION = "TFMEMSAFE_PRECISION"
-ENV_CPU_BFC_ALLOCATOR = "TFMEMSAFE_CPU_BFC_ALLOCATOR"
+_ENV_AUTOCONFIGURE = "TFMEMSAFE_AUTOCONFIGURE"
+_ENV_MEMORY_GROWTH = "TFMEMSAFE_MEMORY_GROWTH"
+_ENV_PRECISION = "TFMEMSAFE_PRECISION"
+_ENV_CPU_BFC_ALLOCATOR = "TFMEMSAFE_CPU_BFC_ALLOCATOR"
 _BOOLEANS = {"1": True, "true": True, "0": False, "false": False}
 
 # TensorFlow's own variables, read when its CPU device is created.
@@ -320,16 +320,16 @@ def configure_from_environment() -> RuntimeConfig | None:
     """
     global _config
     env_warnings = []
-    if not _read_env(ENV_AUTOCONFIGURE, _BOOLEANS, True, env_warnings):
+    if not _read_env(_ENV_AUTOCONFIGURE, _BOOLEANS, True, env_warnings):
         _config = None
-        logging.info("tfmemsafe: %s=0, runtime left as is.", ENV_AUTOCONFIGURE)
+        logging.info("tfmemsafe: %s=0, runtime left as is.", _ENV_AUTOCONFIGURE)
         return None
-    memory_growth = _read_env(ENV_MEMORY_GROWTH, _BOOLEANS, True, env_warnings)
+    memory_growth = _read_env(_ENV_MEMORY_GROWTH, _BOOLEANS, True, env_warnings)
     precision = _read_env(
-        ENV_PRECISION, {p: p for p in PRECISIONS}, "auto", env_warnings
+        _ENV_PRECISION, {p: p for p in PRECISIONS}, "auto", env_warnings
     )
     cpu_bfc_allocator = _read_env(
-        ENV_CPU_BFC_ALLOCATOR, _BOOLEANS, True, env_warnings
+        _ENV_CPU_BFC_ALLOCATOR, _BOOLEANS, True, env_warnings
     )
     config = configure(
         memory_growth=memory_growth,
