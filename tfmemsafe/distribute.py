@@ -63,9 +63,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     machine it is `keras.callbacks.BackupAndRestore`.
 
     After a job fails, for example because one worker ran out of memory,
-    start every worker again with the same `backup_dir` (and, after an
-    OOM, a smaller `--batch_size`): training resumes after the last epoch
-    the chief backed up.
+    start every worker again with the same `backup_dir`: training resumes
+    after the last epoch the chief backed up. After an OOM,
+    `tfmemsafe.fit` stores the smaller batch size with the backup, so the
+    same command resumes at it.
 
     Args:
         backup_dir: str. A directory every worker can read. Other

@@ -3,8 +3,9 @@
 `fit` trains a compiled Keras model like `model.fit`, but when a batch does
 not fit in device memory it halves the batch size (doubling an
 `AccumulatingModel`'s `accumulation_steps`, so each update still averages
-the same number of samples), puts back the weights and optimizer state of
-the start of the failed epoch and carries on from that epoch. `evaluate`
+the same number of samples), puts back what the failed step changed and
+goes on at that step (`_step_guard` says what a failed step can have
+changed; the epoch starts again in the rare cases it must). `evaluate`
 and `predict` halve the same way. Every out-of-memory error takes one path,
 `_halving.retry_on_oom`; the data kinds are in `_sources`, what a run
 keeps to resume in `_resume`, and `find_max_batch_size` in `batch_search`.
@@ -79,9 +80,14 @@ def fit(
        samples as before; for other models it warns once that the
        effective batch shrinks. `steps_per_epoch` and `validation_steps`
        double, so an epoch still covers the same data;
-    4. restores the weights and optimizer state saved in memory at the
-       start of the failed epoch, so no part of it is applied twice, and
-       resumes at that epoch.
+    4. puts back what the failed step changed (metrics, moving
+       statistics; no update runs before all gradients exist) and goes on
+       at that step: nothing before it is replayed, no sample is skipped
+       or used twice, and the epoch's logs cover the whole epoch. A
+       failure in validation goes on at the failed validation step. When
+       the data cannot give the same order again, or the failed step had
+       begun its update, it restores the state the epoch started with and
+       starts the epoch again (see docs/oom-recovery.md).
 
     The same callback objects see every attempt as one run: each gets
     `on_train_begin` once and `on_train_end` once, at the end, so
@@ -127,8 +133,10 @@ def fit(
 
     Raises:
         OutOfMemoryError: If the batch size would fall below
-            `min_batch_size`, or `max_retries` is used up. The original
-            error is chained as `__cause__`.
+            `min_batch_size`, or `max_retries` is used up. The model is
+            then put back in the state of the last completed epoch (or of
+            the start), which the message names. The original error is
+            chained as `__cause__`.
         TypeError: If `data` or `validation_data` is of no accepted kind.
         ValueError: If an argument is out of range.
 
