@@ -129,7 +129,7 @@ def snapshot_seconds(parameters=25_000_000):
     """The epoch-start host copy for a model of `parameters` with Adam."""
     import keras
 
-    from tfmemsafe import recovery
+    from tfmemsafe._resume import Snapshot
 
     width = 5000
     model = keras.Sequential(
@@ -137,9 +137,9 @@ def snapshot_seconds(parameters=25_000_000):
     )
     model.compile("adam", "mse")
     model.optimizer.build(model.trainable_variables)
-    recovery._Snapshot(model)  # Warm-up.
+    Snapshot(model)  # Warm-up.
     start = time.perf_counter()
-    snapshot = recovery._Snapshot(model)
+    snapshot = Snapshot(model)
     taken = time.perf_counter() - start
     start = time.perf_counter()
     snapshot.restore()
