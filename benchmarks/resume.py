@@ -48,7 +48,6 @@ def run(variant, steps, batch_size, large, grow_fraction):
     import tensorflow as tf
 
     import tfmemsafe
-    from tfmemsafe import recovery
 
     rows = steps * batch_size
     grow_at = int(rows * grow_fraction)
@@ -74,12 +73,13 @@ def run(variant, steps, batch_size, large, grow_fraction):
         "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     if variant == "epoch replay":
+        from tfmemsafe import _fit_run
 
         def refuse(self, size):
             self.resume_refusal = "benchmark: epoch replay"
             return False
 
-        recovery._FitRun._can_resume = refuse  # The behaviour before #15.
+        _fit_run.FitRun._can_resume = refuse  # The behaviour before #15.
     wall, cpu = time.perf_counter(), time.process_time()
     if variant == "model.fit":
         model.accumulation_steps = 2

@@ -18,6 +18,7 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import _memory_report
 from tfmemsafe import _sample_writers
+from tfmemsafe import callbacks
 from tfmemsafe import testing
 
 # TensorFlow's BFC allocator on the CPU: exact, repeatable peaks.
@@ -332,6 +333,17 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             [float(row["memory_peak_mb"]) for row in rows],
             history.history["memory_peak_mb"],
         )
+
+    def test_monitors_first_orders_a_plain_fit_list_for_its_keys(self):
+        monitor = tfmemsafe.MemoryMonitor(verbose=0)
+        csv_path = os.path.join(self.get_temp_dir(), "ordered.csv")
+        csv_logger = keras.callbacks.CSVLogger(csv_path)
+        ordered = callbacks.monitors_first([csv_logger, monitor])
+        self.assertEqual(ordered, [monitor, csv_logger])
+        x, y = _data(64)
+        _conv_net().fit(x, y, batch_size=32, verbose=0, callbacks=ordered)
+        with open(csv_path) as f:
+            self.assertIn("memory_peak_mb", next(csv.DictReader(f)))
 
     def test_tfmemsafe_fit_puts_the_monitor_before_callbacks_using_it(self):
         # Listed last: tfmemsafe.fit moves it before the callbacks that read

@@ -34,7 +34,7 @@ from keras.src.utils import python_utils
 
 from tfmemsafe import _checks
 from tfmemsafe._multi_worker import MultiWorkerSupport
-from tfmemsafe.callbacks import MemoryMonitor
+from tfmemsafe.callbacks import monitors_first
 from tfmemsafe.gradient_accumulator import GradientAccumulator
 
 
@@ -334,16 +334,10 @@ def _ordered_callbacks(callbacks, window_callback, model):
             window_callback.set_params(callbacks.params)
         callbacks.callbacks[:] = [
             window_callback,
-            *_monitors_first(callbacks.callbacks),
+            *monitors_first(callbacks.callbacks),
         ]
         return callbacks
-    return [window_callback, *_monitors_first(tf.nest.flatten(callbacks or []))]
-
-
-def _monitors_first(callbacks) -> list:
-    monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
-    others = [c for c in callbacks if not isinstance(c, MemoryMonitor)]
-    return monitors + others
+    return [window_callback, *monitors_first(tf.nest.flatten(callbacks or []))]
 
 
 def _functional_arguments(args, kwargs) -> bool:

@@ -343,20 +343,8 @@ class MemoryMonitor(keras.callbacks.Callback):
         """Decides how to read the devices, refusing ones that don't exist."""
         if self.devices is None:
             self._memory.discover(_default_devices(self.model))
-            return
-        present = [
-            memory.device_name(device)
-            for device in tf.config.list_logical_devices()
-        ]
-        missing = [device for device in self.devices if device not in present]
-        if missing:
-            raise ValueError(
-                "`devices` must name devices that this process has; "
-                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                f"not among them ({', '.join(present)}). "
-                f"Received: devices={self.devices!r}"
-            )
-        self._memory.discover(self.devices)
+        else:
+            self._memory.discover(_existing(self.devices))
 
     def _on_run_begin(self, phase):
         self._record.calls[phase] = 0
@@ -407,6 +395,29 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._writers = []
 
 
+def monitors_first(callbacks) -> list:
+    """Returns the callbacks with every `MemoryMonitor` first.
+
+    Keras passes one `logs` dict down the list in order, so the callbacks
+    after a monitor see its `memory_peak_mb` in their `on_epoch_end`.
+    `tfmemsafe.fit`, `evaluate`, `predict` and `AccumulatingModel.fit` order
+    their lists this way; for a plain `model.fit`, list the monitor first
+    or pass `monitors_first([...])`.
+
+    Args:
+        callbacks: A list of `keras.callbacks.Callback`.
+
+    Returns:
+        A new list: the monitors, then the others, each in their order.
+
+    Example:
+    >>> model.fit(x, y, callbacks=monitors_first([csv_logger, monitor]))
+    """
+    callbacks = list(callbacks)
+    monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
+    return monitors + [c for c in callbacks if not isinstance(c, MemoryMonitor)]
+
+
 def _check_devices(devices) -> list[str] | None:
     if devices is None:
         return None
@@ -427,6 +438,23 @@ def _check_devices(devices) -> list[str] | None:
             f"default ones. Received: devices={devices!r}"
         )
     return list(dict.fromkeys(names))
+
+
+def _existing(devices: list[str]) -> list[str]:
+    """`devices`, if this process has them all; else a Keras-style error."""
+    present = [
+        memory.device_name(device)
+        for device in tf.config.list_logical_devices()
+    ]
+    missing = [device for device in devices if device not in present]
+    if missing:
+        raise ValueError(
+            "`devices` must name devices that this process has; "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            f"not among them ({', '.join(present)}). "
+            f"Received: devices={devices!r}"
+        )
+    return devices
 
 
 def _default_devices(model) -> list[str]:
