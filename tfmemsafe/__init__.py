@@ -20,7 +20,10 @@ from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import DatasetUnavailableError
+from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.estimate import MemoryEstimate
+from tfmemsafe.estimate import estimate_memory
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
 from tfmemsafe.memory import is_oom_error
@@ -43,6 +46,8 @@ __all__ = [
     "DatasetUnavailableError",
     "GradientAccumulator",
     "InferenceMode",
+    "MemoryEstimate",
+    "MemoryEstimateError",
     "MemoryInfo",
     "MemoryMonitor",
     "OOMEvent",
@@ -56,6 +61,7 @@ __all__ = [
     "data",
     "default_devices",
     "distribute",
+    "estimate_memory",
     "evaluate",
     "find_max_batch_size",
     "fit",
