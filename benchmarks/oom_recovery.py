@@ -96,7 +96,7 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
     import numpy as np
 
     import tfmemsafe
-    from tfmemsafe import recovery
+    from tfmemsafe import _resume
 
     class Timeline(keras.callbacks.Callback):
         def __init__(self):
@@ -147,7 +147,7 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
     result["wall"] = time.perf_counter() - start
     result["cpu"] = time.process_time() - cpu_start
     copy_start = time.perf_counter()
-    recovery._Snapshot(model)  # What fit copies at each epoch's start.
+    _resume.Snapshot(model)  # What fit copies at each epoch's start.
     result["state_copies"] = epochs * (time.perf_counter() - copy_start)
     # Before the first epoch: building, and the search with "auto".
     result["setup"] = timeline.events[0][1] - start

@@ -404,10 +404,11 @@ def summarize(
 
 
 def _report(run: Run) -> dict:
-    peaks, limits = {}, {}
+    peaks, limits, sources = {}, {}, {}
     for sample in run.monitor.samples:
         peaks[sample.device] = max(peaks.get(sample.device, 0), sample.peak_mb)
         limits[sample.device] = sample.limit_mb
+        sources[sample.device] = sample.source
     return {
         "name": run.name,
         "epochs": len(run.history.epoch),
@@ -415,6 +416,8 @@ def _report(run: Run) -> dict:
         "accumulation_steps": run.accumulation_steps,
         "peak_memory_mb": {d: round(mb, 1) for d, mb in peaks.items()},
         "memory_limit_mb": limits,
+        # "allocator", or "process_rss" where the CPU keeps no statistics.
+        "memory_source": sources,
         "oom_recoveries": [
             dataclasses.asdict(event)
             for event in getattr(run.history, "oom_events", [])
@@ -435,21 +438,15 @@ def _print_summary(summary: dict, several_runs: bool) -> None:
         for device, peak in report["peak_memory_mb"].items():
             limit = report["memory_limit_mb"][device]
             of = f" of {limit:.0f} MB" if limit else ""
-            lines.append(f"{indent}peak memory on {device}: {peak:.1f} MB{of}")
+            rss = report["memory_source"][device] == "process_rss"
+            kind = " (process RSS)" if rss else ""
+            lines.append(
+                f"{indent}peak memory on {device}{kind}: {peak:.1f} MB{of}"
+            )
         events = report["oom_recoveries"]
         lines.append(f"{indent}out-of-memory recoveries: {len(events)}")
         for event in events:
-            accumulation = (
-                ""
-                if event["accumulation_steps"] is None
-                else f", accumulation steps {event['accumulation_steps']}"
-            )
-            lines.append(
-                f"{indent}  epoch {event['epoch'] + 1}, {event['phase']} "
-                f"step {event['step']}: batch size "
-                f"{event['batch_size_before']} -> "
-                f"{event['batch_size_after']}{accumulation}"
-            )
+            lines.append(f"{indent}  {tfmemsafe.OOMEvent(**event)}")
         if report["batch_size"] is not None:
             steps = report["accumulation_steps"] or 1
             lines.append(

@@ -502,6 +502,38 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
             accumulator.apply_if_ready(keras.optimizers.SGD())
 
 
+def _log_keys_seen_by_a_callback_listed_before_the_monitor():
+    """Child: the epoch log keys of the first callback in `callbacks`."""
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(sorted(logs))
+    )
+    _, model = _reference_and_accumulating()
+    x, y = _data()
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        callbacks=[record, tfmemsafe.MemoryMonitor(verbose=0)],
+        verbose=0,
+    )
+    return seen
+
+
+class MemoryMonitorOrderTest(tf.test.TestCase):
+    def test_callbacks_listed_before_a_memory_monitor_see_its_logs(self):
+        # The BFC allocator keeps memory statistics on any CPU.
+        seen = tfmemsafe.testing.run_in_subprocess(
+            _log_keys_seen_by_a_callback_listed_before_the_monitor,
+            env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+        )
+        self.assertLen(seen, 2)
+        for keys in seen:
+            self.assertIn("memory_peak_mb", keys)
+            self.assertIn("loss", keys)
+
+
 def _mixed_precision_results():
     keras.mixed_precision.set_global_policy("mixed_float16")
     results = {}

@@ -587,7 +587,9 @@ class CacheFeaturesTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(int(on_disk.cardinality()), 20)
         self.assertEqual(on_disk.element_spec, in_memory.element_spec)
         for streamed, held in zip(on_disk, in_memory, strict=True):
-            self.assertAllClose(streamed[0], held[0], atol=1e-5)
+            # Batches of 8 and 6: kernels sum in other orders (up to 2e-5
+            # apart with Eigen's, oneDNN off).
+            self.assertAllClose(streamed[0], held[0], rtol=1e-4, atol=1e-4)
             self.assertAllEqual(streamed[1:], held[1:])
         _compile(model)
         history = tfmemsafe.fit_head(model, on_disk, epochs=2, verbose=0)

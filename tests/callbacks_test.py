@@ -16,7 +16,8 @@ from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
-from tfmemsafe import callbacks
+from tfmemsafe import _memory_report
+from tfmemsafe import _sample_writers
 from tfmemsafe import testing
 
 # TensorFlow's BFC allocator on the CPU: exact, repeatable peaks.
@@ -250,7 +251,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             batch_size=kw.pop("batch_size", 32),
             epochs=epochs,
             verbose=0,
-            callbacks=[*extra_callbacks, monitor],
+            callbacks=[monitor, *extra_callbacks],
             **kw,
         )
 
@@ -308,7 +309,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             [s for s in range(14) if s % 7 % every_n_batches == 0],
         )
 
-    def test_callbacks_listed_before_it_see_the_memory_keys(self):
+    def test_callbacks_listed_after_it_see_the_memory_keys(self):
         csv_path = os.path.join(self.get_temp_dir(), "epochs.csv")
         csv_logger = keras.callbacks.CSVLogger(csv_path)
         # Stops after epoch 1 if and only if it can read memory_peak_mb.
@@ -327,6 +328,38 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
         self.assertLen(rows, 2)
+        self.assertAllClose(
+            [float(row["memory_peak_mb"]) for row in rows],
+            history.history["memory_peak_mb"],
+        )
+
+    def test_tfmemsafe_fit_puts_the_monitor_before_callbacks_using_it(self):
+        # Listed last: tfmemsafe.fit moves it before the callbacks that read
+        # memory_peak_mb; model.fit would not.
+        csv_path = os.path.join(self.get_temp_dir(), "epochs.csv")
+        csv_logger = keras.callbacks.CSVLogger(csv_path)
+        early_stopping = keras.callbacks.EarlyStopping(
+            monitor="memory_peak_mb", mode="max", min_delta=1e9, patience=1
+        )
+        x, y = _data(128)
+        history = tfmemsafe.fit(
+            _conv_net(),
+            (x, y),
+            batch_size=32,
+            epochs=5,
+            verbose=0,
+            callbacks=[
+                csv_logger,
+                early_stopping,
+                tfmemsafe.MemoryMonitor(verbose=0),
+            ],
+        )
+        self.assertEqual(history.epoch, [0, 1])
+        self.assertEqual(
+            early_stopping.best, history.history["memory_peak_mb"][0]
+        )
+        with open(csv_path) as f:
+            rows = list(csv.DictReader(f))
         self.assertAllClose(
             [float(row["memory_peak_mb"]) for row in rows],
             history.history["memory_peak_mb"],
@@ -353,7 +386,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         model = _conv_net()
         x, y = _data(128)
         callbacks = _OneRunCallbackList(
-            [_FailOnce(), monitor], add_history=True, model=model
+            [monitor, _FailOnce()], add_history=True, model=model
         )
         with self.assertRaises(tf.errors.ResourceExhaustedError):
             model.fit(
@@ -416,7 +449,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self._fit(monitor, epochs=2, count=64)
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
-        self.assertEqual(list(rows[0]), list(callbacks._CSV_FIELDS))
+        self.assertEqual(list(rows[0]), list(_sample_writers.CSV_FIELDS))
         self.assertEqual(
             [(r["epoch"], r["batch"], r["phase"]) for r in rows],
             [("0", "0", "train"), ("0", "1", "train")]
@@ -478,20 +511,47 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
             tfmemsafe.MemoryMonitor().summary(), "MemoryMonitor: no readings"
         )
 
-    def test_device_without_statistics_is_reported_once_and_skipped(self):
+    def test_device_that_does_not_exist_is_refused_when_training_starts(
+        self,
+    ):
         if tf.config.list_logical_devices("GPU"):
-            self.skipTest("GPU:0 exists and has statistics here")
-        monitor = tfmemsafe.MemoryMonitor(devices=["CPU:0", "GPU:0"])
-        with _WarningRecorder() as messages:
-            history = self._fit(monitor)
-            self._fit(monitor)  # Reused: not said again.
-        self.assertLen(messages, 1)
-        self.assertStartsWith(
-            messages[0], "MemoryMonitor: cannot read the memory of GPU:0"
+            self.skipTest("GPU:0 exists here")
+        model = _conv_net()
+        weights = [w.numpy() for w in model.weights]
+        monitor = tfmemsafe.MemoryMonitor(devices=["CPU:0", "GPU:7"])
+        x, y = _data(32)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`devices` must name devices that this process has; GPU:7 is "
+            r"not among them \(CPU:0.*\). Received: devices=\['CPU:0', "
+            r"'GPU:7'\]",
+        ):
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[monitor])
+        self.assertAllClose([w.numpy() for w in model.weights], weights)
+        with self.assertRaisesRegex(ValueError, r"^`devices` must name"):
+            model.evaluate(x, y, verbose=0, callbacks=[monitor])
+
+    def test_setup_declares_the_tensorboard_extra_keras_needs(self):
+        # keras.callbacks.TensorBoard imports `tensorboard`, which
+        # TensorFlow 2.21 no longer installs.
+        import configparser
+
+        setup = configparser.ConfigParser()
+        setup.read(os.path.join(os.path.dirname(__file__), "..", "setup.cfg"))
+        extras = setup["options.extras_require"]
+        self.assertIn("tensorboard", extras["tensorboard"].split())
+
+    def test_summary_of_a_run_without_readings_does_not_blame_the_user(self):
+        text = _memory_report.summary(
+            {}, {}, ["GPU:0: not monitored (no statistics)."], started=True
         )
-        self.assertEqual({s.device for s in monitor.samples}, {"CPU:0"})
-        self.assertGreater(history.history["memory_peak_mb"][0], 0)
-        self.assertIn("GPU:0: not monitored", monitor.summary())
+        self.assertStartsWith(
+            text,
+            "MemoryMonitor: no readings: none of the monitored devices keeps "
+            "memory statistics.",
+        )
+        self.assertNotIn("Pass it to fit()", text)
+        self.assertIn("GPU:0: not monitored", text)
 
     @parameterized.named_parameters(
         ("zero_batches", {"every_n_batches": 0}, "`every_n_batches` must"),
@@ -562,10 +622,16 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self.assertGreater(logs["memory_current_mb_cpu_1"], 0)
 
     def test_cpu_without_allocator_statistics_reads_labelled_rss(self):
-        # Without oneDNN and the BFC allocator the CPU keeps no statistics.
+        # Without oneDNN and the BFC allocator the CPU keeps no statistics:
+        # the user opted out of the BFC allocator that tfmemsafe sets.
         result = testing.run_in_subprocess(
             _fit_without_allocator_statistics,
-            env={"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": ""},
+            env={
+                "TF_ENABLE_ONEDNN_OPTS": "0",
+                "CUDA_VISIBLE_DEVICES": "",
+                "TFMEMSAFE_CPU_BFC_ALLOCATOR": "0",
+                "TF_CPU_ALLOCATOR_USE_BFC": "",
+            },
         )
         self.assertEqual(result["sources"], ["process_rss"])
         self.assertTrue(result["positive"])

@@ -151,6 +151,8 @@ class ExamplesTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(run["accumulation_steps"], accumulation_steps)
         self.assertEqual(run["oom_recoveries"], [])
         self.assertGreater(run["peak_memory_mb"]["CPU:0"], 0)
+        # On every kind of CPU (tfmemsafe sets the BFC allocator).
+        self.assertEqual(run["memory_source"]["CPU:0"], "allocator")
         self.assertLen(_history(model_dir), 1)
         self.assertGreater(mpimg.imread(f"{model_dir}/memory.png").size, 0)
 

@@ -1,5 +1,8 @@
 """Tests for tfmemsafe.memory: readings, limits and OOM detection."""
 
+import os
+from unittest import mock
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -414,6 +417,33 @@ class IsOomErrorTest(parameterized.TestCase, tf.test.TestCase):
     def test_other_errors_are_not_oom(self, error):
         self.assertFalse(tfmemsafe.is_oom_error(error))
 
+    def test_real_full_disk_is_not_oom(self):
+        # TensorFlow reports ENOSPC as RESOURCE_EXHAUSTED too.
+        with self.assertRaises(tf.errors.ResourceExhaustedError) as caught:
+            tf.io.write_file("/dev/full", "x" * 100_000)
+        self.assertIn("No space left on device", str(caught.exception))
+        self.assertFalse(tfmemsafe.is_oom_error(caught.exception))
+
+    @parameterized.named_parameters(
+        ("too_many_open_files", "/tmp/x; Too many open files"),
+        ("disk_quota", "/data/ckpt; Disk quota exceeded"),
+        ("grpc_message_size", "Received message larger than max (5 vs. 4)"),
+    )
+    def test_resource_exhausted_that_is_not_memory_is_not_oom(self, text):
+        error = tf.errors.ResourceExhaustedError(None, None, text)
+        self.assertFalse(tfmemsafe.is_oom_error(error))
+
+    def test_resource_exhausted_naming_an_allocation_is_oom_whatever_else(
+        self,
+    ):
+        error = tf.errors.ResourceExhaustedError(
+            None,
+            None,
+            "OOM when allocating tensor with shape[4096,4096]; while "
+            "writing /tmp/x; No space left on device",
+        )
+        self.assertTrue(tfmemsafe.is_oom_error(error))
+
     def test_real_parse_error_of_a_constant_is_not_oom(self):
         # 12 bytes of content for a 1024 x 256 float tensor.
         error = _const_error(_float_proto([1024, 256], content=b"\0" * 12))
@@ -636,6 +666,49 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertEqual(history.oom_events[0].batch_size_after, 512)
         self.assertEqual(history.batch_size, 512)
         self.assertLen(history.history["loss"], 1)
+
+
+class CpuLimitTest(tf.test.TestCase):
+    """The CPU limit follows the allocator TensorFlow was told to use."""
+
+    def _limit(self, environment, machine_bytes):
+        with (
+            mock.patch.dict(os.environ, environment),
+            mock.patch.object(
+                memory, "machine_memory_bytes", return_value=machine_bytes
+            ),
+        ):
+            return memory.memory_info("CPU:0").limit_bytes
+
+    def test_bfc_without_a_cap_stops_at_tensorflows_64_gb(self):
+        limit = self._limit(
+            {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, 128 * 1024 * _MB
+        )
+        self.assertEqual(limit, 64 * 1024 * _MB)
+
+    def test_bfc_without_a_cap_on_a_small_machine_is_the_machine(self):
+        limit = self._limit({"TF_CPU_ALLOCATOR_USE_BFC": "1"}, 16 * 1024 * _MB)
+        self.assertEqual(limit, 16 * 1024 * _MB)
+
+    def test_bfc_cap_wins(self):
+        limit = self._limit(
+            {
+                "TF_CPU_ALLOCATOR_USE_BFC": "true",
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300",
+            },
+            128 * 1024 * _MB,
+        )
+        self.assertEqual(limit, 300 * _MB)
+
+    def test_other_allocators_get_the_whole_machine(self):
+        limit = self._limit(
+            {
+                "TF_CPU_ALLOCATOR_USE_BFC": "false",
+                "TF_CPU_BFC_MEM_LIMIT_IN_MB": "300",
+            },
+            128 * 1024 * _MB,
+        )
+        self.assertEqual(limit, 128 * 1024 * _MB)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,43 @@
 """Tests for tfmemsafe.runtime: configuration at import and by hand."""
 
+import os
 from unittest import mock
 
 import runtime_children
 import tensorflow as tf
 from absl.testing import parameterized
 
+from tfmemsafe import memory
 from tfmemsafe import runtime
 from tfmemsafe import testing
 
+_MB = 1024 * 1024
+
+# What the children start from: nothing set by the user. This process
+# imported tfmemsafe, which set TF_CPU_ALLOCATOR_USE_BFC for itself; an
+# empty value counts as unset, for TensorFlow too.
+_UNSET = {
+    "TFMEMSAFE_AUTOCONFIGURE": "",
+    "TFMEMSAFE_MEMORY_GROWTH": "",
+    "TFMEMSAFE_PRECISION": "",
+    "TFMEMSAFE_CPU_BFC_ALLOCATOR": "",
+    "TF_CPU_ALLOCATOR_USE_BFC": "",
+}
+
 
 def _import_with(env, **kwargs):
-    env = {
-        "TFMEMSAFE_AUTOCONFIGURE": "",
-        "TFMEMSAFE_MEMORY_GROWTH": "",
-        "TFMEMSAFE_PRECISION": "",
-        **env,
-    }
     return testing.run_in_subprocess(
-        runtime_children.import_and_report, kwargs=kwargs, env=env, timeout=120
+        runtime_children.import_and_report,
+        kwargs=kwargs,
+        env={**_UNSET, **env},
+        timeout=120,
+    )
+
+
+def _in_child(target, onednn, env=(), **kwargs):
+    env = {**_UNSET, "TF_ENABLE_ONEDNN_OPTS": onednn, **dict(env)}
+    return testing.run_in_subprocess(
+        target, kwargs=kwargs, env=env, timeout=120
     )
 
 
@@ -38,6 +57,8 @@ class ImportConfigurationTest(parameterized.TestCase, tf.test.TestCase):
         self.assertTrue(config["memory_growth"])
         self.assertEqual(config["memory_growth_gpus"], [])
         self.assertIn("no GPU", config["reason"])
+        self.assertTrue(config["cpu_bfc_allocator"])
+        self.assertEqual(config["cpu_allocator"], "bfc")
         self.assertEqual(config["warnings"], [])
 
     @parameterized.named_parameters(
@@ -90,12 +111,160 @@ class ImportConfigurationTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(result["policy"], "mixed_bfloat16")
 
 
+# oneDNN off is the default on CPUs without AVX-512 VNNI/BF16 or AMX; on,
+# on those that have them. Both are forced here, whatever this CPU is.
+_CPU_KINDS = (("onednn_off", "0"), ("onednn_on", "1"))
+
+
+class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(*_CPU_KINDS)
+    def test_import_gives_allocator_readings_on_both_cpu_kinds(self, onednn):
+        result = _in_child(runtime_children.read_cpu_memory, onednn)
+        self.assertEqual(result["config"]["cpu_allocator"], "bfc")
+        self.assertIn(
+            "set by tfmemsafe", result["config"]["cpu_allocator_reason"]
+        )
+        self.assertEqual(result["variable"], "true")
+        self.assertIsNone(result["reason"])
+        self.assertGreaterEqual(result["current_bytes"], 4 * _MB)
+        self.assertGreaterEqual(result["peak_bytes"], result["current_bytes"])
+        self.assertEqual(result["logged_warnings"], [])
+
+    @parameterized.named_parameters(
+        ("false", "false", "default"), ("true", "TRUE", "bfc")
+    )
+    def test_a_value_the_user_set_is_kept(self, value, allocator):
+        result = _in_child(
+            runtime_children.read_cpu_memory,
+            "0",
+            env={"TF_CPU_ALLOCATOR_USE_BFC": value},
+        )
+        config = result["config"]
+        self.assertEqual(result["variable"], value)
+        self.assertEqual(config["cpu_allocator"], allocator)
+        self.assertIn("set before tfmemsafe", config["cpu_allocator_reason"])
+        self.assertEqual(config["warnings"], [])
+        self.assertEqual(result["current_bytes"] is None, value == "false")
+
+    def test_opting_out_by_environment_leaves_the_default_allocator(self):
+        result = _in_child(
+            runtime_children.read_cpu_memory,
+            "0",
+            env={"TFMEMSAFE_CPU_BFC_ALLOCATOR": "0"},
+        )
+        self.assertFalse(result["config"]["cpu_bfc_allocator"])
+        self.assertEqual(result["config"]["cpu_allocator"], "default")
+        self.assertIn(result["variable"], (None, ""))
+        self.assertIsNone(result["current_bytes"])
+        self.assertIn("get_memory_info('CPU:0') failed", result["reason"])
+
+    def test_configure_false_before_any_op_undoes_the_import(self):
+        result = _in_child(
+            runtime_children.read_cpu_memory, "0", configure_again=False
+        )
+        self.assertEqual(result["config"]["cpu_allocator"], "default")
+        self.assertIn(result["variable"], (None, ""))
+        self.assertIsNone(result["current_bytes"])
+
+    def test_too_late_without_onednn_warns_once_with_what_to_do(self):
+        result = _in_child(
+            runtime_children.read_cpu_memory,
+            "0",
+            run_op_first=True,
+            configure_again=True,
+        )
+        config = result["config"]
+        self.assertEqual(config["cpu_allocator"], "default")
+        self.assertIn(result["variable"], (None, ""))
+        self.assertIsNone(result["current_bytes"])
+        self.assertLen(config["warnings"], 1)
+        self.assertIn("Import tfmemsafe before", config["warnings"][0])
+        self.assertIn("TF_CPU_ALLOCATOR_USE_BFC=true", config["warnings"][0])
+        # Logged by the import, not again by the second configure().
+        self.assertEqual(result["logged_warnings"], config["warnings"])
+
+    def test_too_late_with_onednn_keeps_its_allocator_quietly(self):
+        result = _in_child(
+            runtime_children.read_cpu_memory, "1", run_op_first=True
+        )
+        self.assertEqual(result["config"]["cpu_allocator"], "onednn")
+        self.assertEqual(result["config"]["warnings"], [])
+        self.assertIn(result["variable"], (None, ""))
+        self.assertGreaterEqual(result["current_bytes"], 4 * _MB)
+
+    @parameterized.named_parameters(*_CPU_KINDS)
+    def test_memory_monitor_reads_the_allocator_by_default(self, onednn):
+        result = _in_child(runtime_children.monitor_sources, onednn)
+        self.assertIsNone(result["reason"])
+        self.assertEqual(result["sources"], ["allocator"])
+        self.assertGreater(result["memory_peak_mb"][0], 0)
+
+    def test_no_64_gb_cap_on_a_larger_machine(self):
+        with (
+            mock.patch.dict(os.environ, _UNSET),
+            mock.patch.object(runtime, "_environment_set", {}),
+            mock.patch.object(
+                runtime, "_cpu_device_exists", return_value=False
+            ),
+            mock.patch.object(
+                memory, "machine_memory_bytes", return_value=128 * 1024 * _MB
+            ),
+        ):
+            allocator, reason = runtime._set_cpu_allocator(True, [])
+            self.assertEqual(
+                runtime._set_cpu_allocator(True, []), (allocator, reason)
+            )
+            self.assertEqual(os.environ["TF_CPU_ALLOCATOR_USE_BFC"], "true")
+            self.assertEqual(
+                os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"], str(128 * 1024)
+            )
+            self.assertEqual(memory.memory_info("CPU:0").limit_mb, 128 * 1024)
+        self.assertEqual(allocator, "bfc")
+        self.assertIn("TF_CPU_BFC_MEM_LIMIT_IN_MB=131072", reason)
+
+    def test_a_smaller_machine_gets_no_limit_variable(self):
+        with (
+            mock.patch.dict(os.environ, _UNSET),
+            mock.patch.object(runtime, "_environment_set", {}),
+            mock.patch.object(
+                runtime, "_cpu_device_exists", return_value=False
+            ),
+            mock.patch.object(
+                memory, "machine_memory_bytes", return_value=16 * 1024 * _MB
+            ),
+        ):
+            os.environ.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
+            runtime._set_cpu_allocator(True, [])
+            self.assertNotIn("TF_CPU_BFC_MEM_LIMIT_IN_MB", os.environ)
+            self.assertEqual(memory.memory_info("CPU:0").limit_mb, 16 * 1024)
+
+    def test_an_empty_limit_variable_is_dropped(self):
+        # TensorFlow would read it as a limit of 0 bytes and crash.
+        with (
+            mock.patch.dict(
+                os.environ, {**_UNSET, "TF_CPU_BFC_MEM_LIMIT_IN_MB": " "}
+            ),
+            mock.patch.object(runtime, "_environment_set", {}),
+            mock.patch.object(
+                runtime, "_cpu_device_exists", return_value=False
+            ),
+        ):
+            runtime._set_cpu_allocator(True, [])
+            self.assertNotIn("TF_CPU_BFC_MEM_LIMIT_IN_MB", os.environ)
+
+
 class ConfigureArgumentsTest(parameterized.TestCase, tf.test.TestCase):
     def test_unknown_precision_raises(self):
         with self.assertRaisesRegex(
             ValueError, r"`precision` must be one of .* precision='fp8'"
         ):
             runtime.configure(precision="fp8")
+
+    def test_non_boolean_cpu_bfc_allocator_raises(self):
+        with self.assertRaisesRegex(
+            ValueError, r"`cpu_bfc_allocator` must be True or False\. .*'no'"
+        ):
+            runtime.configure(cpu_bfc_allocator="no")
 
     def test_non_boolean_memory_growth_raises(self):
         with self.assertRaisesRegex(

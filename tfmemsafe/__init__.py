@@ -1,7 +1,8 @@
 """tfmemsafe: train large Keras 3 / TensorFlow networks without OOM crashes.
 
-Importing it turns on GPU memory growth and picks the dtype policy (see
-`tfmemsafe.configure`); set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
+Importing it turns on GPU memory growth, picks the dtype policy and gives
+the CPU an allocator that keeps statistics (see `tfmemsafe.configure`);
+set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
 """
 
 from tfmemsafe import data
@@ -13,9 +14,8 @@ from tfmemsafe.accumulation import with_gradient_accumulation
 from tfmemsafe.backbones import InferenceMode
 from tfmemsafe.backbones import UnfreezeSummary
 from tfmemsafe.backbones import build_frozen_mobilenet_v2
-from tfmemsafe.backbones import cache_features
-from tfmemsafe.backbones import fit_head
 from tfmemsafe.backbones import unfreeze
+from tfmemsafe.batch_search import find_max_batch_size
 from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
@@ -24,14 +24,16 @@ from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.estimate import MemoryEstimate
 from tfmemsafe.estimate import estimate_memory
+from tfmemsafe.feature_cache import cache_features
+from tfmemsafe.feature_cache import fit_head
+from tfmemsafe.history import FitHistory
+from tfmemsafe.history import OOMEvent
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
 from tfmemsafe.memory import is_oom_error
 from tfmemsafe.memory import memory_info
 from tfmemsafe.memory import reset_peak_memory
-from tfmemsafe.recovery import OOMEvent
 from tfmemsafe.recovery import evaluate
-from tfmemsafe.recovery import find_max_batch_size
 from tfmemsafe.recovery import fit
 from tfmemsafe.recovery import predict
 from tfmemsafe.runtime import RuntimeConfig
@@ -44,6 +46,7 @@ __all__ = [
     "AccumulatingModel",
     "Checkpointed",
     "DatasetUnavailableError",
+    "FitHistory",
     "GradientAccumulator",
     "InferenceMode",
     "MemoryEstimate",

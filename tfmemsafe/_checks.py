@@ -131,14 +131,22 @@ def compiled_model(value, function: str) -> keras.Model:
 def callbacks(value) -> list:
     """Returns the callbacks as a new list.
 
-    Accepts `None`, a list, a `keras.callbacks.CallbackList`, or any
-    sequence of `keras.callbacks.Callback`.
+    Accepts `None`, a single `keras.callbacks.Callback`, a list, a
+    `keras.callbacks.CallbackList`, or any iterable of callbacks.
 
     Raises:
-        TypeError: If an element is not a callback.
+        TypeError: If it, or an element, is not a callback.
     """
     if isinstance(value, keras.callbacks.CallbackList):
         value = value.callbacks
+    elif isinstance(value, keras.callbacks.Callback):
+        value = [value]
+    elif value is not None and not hasattr(value, "__iter__"):
+        raise TypeError(
+            "`callbacks` must be a keras.callbacks.Callback or a list of "
+            f"them. Received: callbacks={value!r:.80} of type "
+            f"{type(value).__name__}"
+        )
     value = list(value or [])
     for callback in value:
         if not isinstance(callback, keras.callbacks.Callback):

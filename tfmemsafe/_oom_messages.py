@@ -87,6 +87,39 @@ ALLOCATION_FAILURE_PATTERNS = tuple(
     )
 )
 
+# `ResourceExhaustedError`s that are not about memory. TensorFlow maps these
+# errno values to RESOURCE_EXHAUSTED when a file or socket operation fails
+# (ErrnoToCode in xla/tsl/platform/errors.cc; the message ends with
+# strerror's text), and gRPC reports an oversized message with the same
+# code. A smaller batch fixes none of them, so they are never retried.
+OTHER_RESOURCE_PATTERNS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"\bNo space left on device\b",  # ENOSPC
+        r"\bDisk quota exceeded\b",  # EDQUOT
+        r"\bToo many open files\b",  # EMFILE, ENFILE ("... in system")
+        r"\bToo many links\b",  # EMLINK
+        r"\bNo buffer space available\b",  # ENOBUFS
+        r"\bNo data available\b",  # ENODATA
+        r"\bOut of streams resources\b",  # ENOSR
+        r"\bToo many users\b",  # EUSERS
+        # grpc/src/core (message_size_filter): "Received message larger
+        # than max (N vs. M)" and "Sent message larger than max".
+        r"\b(?:Received|Sent) message larger than max\b",
+    )
+)
+
+
+def is_other_resource_text(message: str) -> bool:
+    """Whether a RESOURCE_EXHAUSTED message is about something not memory.
+
+    A message that also reports a failed allocation is about memory.
+    """
+    if any(pattern.search(message) for pattern in ALLOCATION_FAILURE_PATTERNS):
+        return False
+    return any(pattern.search(message) for pattern in OTHER_RESOURCE_PATTERNS)
+
+
 # Device::MakeTensorFromProto (tensorflow/core/common_runtime/
 # threadpool_device.cc, gpu/gpu_device.cc, pluggable_device/
 # pluggable_device.cc), called by the ConstantOp constructor

@@ -2,56 +2,22 @@
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import functools
-import itertools
 import os
-import socket
-import sys
-import time
 
 import keras
 import tensorflow as tf
 from absl import logging
-from tensorflow.core.framework import summary_pb2
-from tensorflow.core.framework import tensor_pb2
 
 from tfmemsafe import _checks
+from tfmemsafe import _device_memory
+from tfmemsafe import _memory_report
 from tfmemsafe import _messages
+from tfmemsafe import _sample_writers
 from tfmemsafe import memory
 
 _MB = 1024 * 1024
-
-# Where a reading comes from.
-ALLOCATOR = "allocator"
-PROCESS_RSS = "process_rss"
-_SOURCE_LABELS = {
-    ALLOCATOR: "TensorFlow allocator",
-    PROCESS_RSS: "process resident memory (RSS)",
-}
-
-_CSV_FIELDS = (
-    "epoch",
-    "batch",
-    "step",
-    "phase",
-    "device",
-    "current_mb",
-    "peak_mb",
-    "limit_mb",
-    "source",
-)
-
-# What TensorBoard's scalar plugin expects of a scalar summary.
-_SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
-    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"),
-    data_class=summary_pb2.DATA_CLASS_SCALAR,
-)
-
-# A limit more than this many times the highest reading would flatten the
-# plot to its floor, so it is named in the legend instead of drawn.
-_PLOT_LIMIT_RANGE = 4.0
+_PHASES = ("train", "evaluate", "predict")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +53,48 @@ class MemorySample:
     source: str
 
 
+@dataclasses.dataclass
+class _Record:
+    """What a `MemoryMonitor` records in one run; new in `on_train_begin`."""
+
+    # Every reading, in order.
+    samples: list[MemorySample] = dataclasses.field(default_factory=list)
+    # The peak in MB per device, per epoch of fit() ...
+    epoch_peaks: dict[int, dict[str, float]] = dataclasses.field(
+        default_factory=dict
+    )
+    # ... and per evaluate() or predict() run outside it.
+    run_peaks: dict[str, dict[str, float]] = dataclasses.field(
+        default_factory=dict
+    )
+    # Batches of each phase since the run began: the samples' `step`.
+    steps: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(_PHASES, 0)
+    )
+    # Batches of each phase since the epoch (or run) began.
+    calls: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(_PHASES, 0)
+    )
+    epoch: int | None = None
+    in_fit: bool = False
+    # Whether fit(), evaluate() or predict() has run with the monitor.
+    started: bool = False
+    # Whether this epoch (or run) has warned already.
+    warned: bool = False
+
+    def where(self, phase: str, batch: int | None) -> str:
+        """Says where the run is, e.g. "in epoch 2 (batch 5)"."""
+        if not self.in_fit:
+            where = f"in {phase}()"
+        elif phase == "train":
+            where = f"in epoch {self.epoch}"
+        else:
+            where = f"in the validation of epoch {self.epoch}"
+        if batch is not None:
+            where += f" (batch {batch})"
+        return where
+
+
 class MemoryMonitor(keras.callbacks.Callback):
     """Records device memory during training and warns before it runs out.
 
@@ -100,9 +108,9 @@ class MemoryMonitor(keras.callbacks.Callback):
     and, with several devices, `memory_peak_mb_gpu_0`,
     `memory_current_mb_gpu_0`, ... per device. `History`, `CSVLogger`,
     `TensorBoard`, `EarlyStopping` and `ModelCheckpoint` then see them
-    like any metric, wherever the monitor is placed in `callbacks`: it
-    moves itself to the front of the list when training begins, because
-    Keras gives every callback the same `logs` in list order.
+    like any metric if they come after the monitor in `callbacks`: Keras
+    gives every callback the same `logs` in list order. `tfmemsafe.fit`
+    puts monitors first; in `model.fit`, list the monitor first.
 
     When a device's peak passes `warn_at` of its limit, it logs a warning
     (once per epoch) naming what to try before the out-of-memory error
@@ -140,7 +148,9 @@ class MemoryMonitor(keras.callbacks.Callback):
     Example:
     ```python
     monitor = tfmemsafe.MemoryMonitor(csv_path="memory.csv")
-    history = model.fit(x, y, epochs=3, callbacks=[monitor])
+    csv_logger = keras.callbacks.CSVLogger("log.csv")
+    # First, so that the callbacks after it see memory_peak_mb.
+    history = model.fit(x, y, epochs=3, callbacks=[monitor, csv_logger])
     history.history["memory_peak_mb"]  # [812.5, 815.0, 815.0]
     print(monitor.summary())
     monitor.plot("memory.png")
@@ -178,56 +188,47 @@ class MemoryMonitor(keras.callbacks.Callback):
                 f"`verbose` must be 0 or 1. Received: verbose={verbose!r}"
             )
         self.verbose = int(verbose)
-        # Devices already reported as unreadable: said once per instance,
-        # not again on every retry of the same training.
-        self._reported = set()
-        self._writer = None
-        self._csv_file = None
-        self._reset_state()
+        # Lives as long as the instance: it reports an unreadable device
+        # once, not again on every fit() or retry.
+        self._memory = _device_memory.DeviceMemory(self.verbose)
+        # The open CSV and TensorBoard writers, while a run is going on.
+        self._writers: list[_sample_writers.SampleWriter] = []
+        # Empty until the first run, for summary() and plot().
+        self._record = _Record()
 
-    def _reset_state(self):
-        self.samples: list[MemorySample] = []
-        self._sources: dict[str, str] = {}
-        self._limits: dict[str, int | None] = {}
-        self._unavailable: dict[str, str] = {}
-        self._epoch_peaks: dict[int, dict[str, float]] = {}
-        self._run_peaks: dict[str, dict[str, float]] = {}
-        self._steps = {"train": 0, "evaluate": 0, "predict": 0}
-        self._calls = {"train": 0, "evaluate": 0, "predict": 0}
-        self._rss_peaks: dict[str, int] = {}
-        self._epoch = None
-        self._in_fit = False
-        self._warned = False
+    @property
+    def samples(self) -> list[MemorySample]:
+        """Every reading since the last `fit()` began: `MemorySample`s."""
+        return self._record.samples
 
     # Keras hooks.
 
     def on_train_begin(self, logs=None):
-        self._run_first()
-        self._close_outputs()  # Left open if the last fit() raised.
-        self._reset_state()
-        self._in_fit = True
-        self._find_devices()
-        self._open_outputs(append=False)
+        self._close_writers()  # Left open if the last fit() raised.
+        self._discover()  # Before the record: it may refuse the devices.
+        self._record = _Record(in_fit=True, started=True)
+        self._open_writers(append=False)
 
     def on_train_end(self, logs=None):
-        self._in_fit = False
-        self._close_outputs()
+        self._record.in_fit = False
+        self._close_writers()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._calls["train"] = 0
+        self._record.epoch = epoch
+        self._record.calls["train"] = 0
         self._start_peak()
 
     def on_epoch_end(self, epoch, logs=None):
-        readings = self._read_all()
-        self._epoch_peaks[epoch] = {
+        readings = self._memory.read()
+        self._record.epoch_peaks[epoch] = {
             device: peak / _MB for device, (_, peak) in readings.items()
         }
         for device, (_, peak) in readings.items():
             self._check_limit(device, peak, "train", None)
         if logs is not None and readings:
             logs.update(_log_values(readings))
-        self._flush_outputs()
+        for writer in self._writers:
+            writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
         self._on_batch_end("train", batch)
@@ -268,36 +269,16 @@ class MemoryMonitor(keras.callbacks.Callback):
         1            42.3
         limit     24105.0
         """
-        devices = list(self._sources)
-        rows = [(str(e), peaks) for e, peaks in self._epoch_peaks.items()]
-        rows += list(self._run_peaks.items())
-        if not devices or not rows:
-            text = (
-                "MemoryMonitor: no readings yet. Pass it to fit(), "
-                "evaluate() or predict() in `callbacks`."
-            )
-            return "\n".join([text, *self._device_notes()])
-        limits = {
-            device: "unknown" if limit is None else f"{limit / _MB:.1f}"
-            for device, limit in self._limits.items()
+        record = self._record
+        peaks = {str(e): p for e, p in record.epoch_peaks.items()}
+        peaks.update(record.run_peaks)
+        limits_mb = {
+            device: None if limit is None else limit / _MB
+            for device, limit in self._memory.limits.items()
         }
-        rows = [
-            (label, {d: f"{peaks[d]:.1f}" for d in devices if d in peaks})
-            for label, peaks in rows
-        ]
-        rows.append(("limit", limits))
-        width = max(10, *(len(d) + 2 for d in devices))
-        label_width = max(8, *(len(label) + 2 for label, _ in rows))
-        header = "epoch".ljust(label_width) + "".join(
-            d.rjust(width) for d in devices
+        return _memory_report.summary(
+            peaks, limits_mb, self._memory.notes(), started=record.started
         )
-        lines = ["MemoryMonitor: peak memory (MB) per epoch and device", header]
-        for label, values in rows:
-            lines.append(
-                label.ljust(label_width)
-                + "".join(values.get(d, "-").rjust(width) for d in devices)
-            )
-        return "\n".join(lines + self._device_notes())
 
     def plot(self, path: str | os.PathLike | None = None, phase="train"):
         """Draws memory over the batches, one color per device.
@@ -323,154 +304,25 @@ class MemoryMonitor(keras.callbacks.Callback):
         Example:
         >>> monitor.plot("memory.png")
         """
-        try:
-            from matplotlib.figure import Figure
-        except ImportError as err:
-            raise ImportError(
-                "`MemoryMonitor.plot()` requires matplotlib, an optional "
-                "extra of tfmemsafe. Install it with "
-                "`pip install tfmemsafe[plot]` (or `pip install matplotlib`)."
-            ) from err
-        samples = [s for s in self.samples if s.phase == phase]
-        if not samples:
-            have = sorted({s.phase for s in self.samples})
-            raise ValueError(
-                f"`phase` has no readings to plot. Received: phase={phase!r}; "
-                f"phases with readings: {have or 'none (run fit() first)'}"
-            )
-        figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
-        axes = figure.add_subplot()
-        top = max(s.peak_mb for s in samples)
-        highest = top
-        by_device = {}
-        for sample in samples:
-            by_device.setdefault(sample.device, []).append(sample)
-        for index, (device, points) in enumerate(by_device.items()):
-            color = f"C{index}"
-            name = device
-            if points[0].source == PROCESS_RSS:
-                name += " (process RSS)"
-            steps = [p.step for p in points]
-            axes.plot(
-                steps, [p.peak_mb for p in points], color=color, label=name
-            )
-            axes.plot(
-                steps,
-                [p.current_mb for p in points],
-                color=color,
-                linestyle=":",
-                label=f"{name}, in use after the batch",
-            )
-            limit = points[0].limit_mb
-            if limit is not None and limit <= _PLOT_LIMIT_RANGE * top:
-                highest = max(highest, limit)
-                axes.axhline(
-                    limit,
-                    color=color,
-                    linestyle="--",
-                    label=f"{device} limit ({limit:.0f} MB)",
-                )
-            elif limit is not None:
-                axes.plot([], [], " ", label=f"{device} limit: {limit:.0f} MB")
-        # An epoch, a resumed epoch or a new run begins where the batch
-        # index stops growing.
-        first = next(iter(by_device.values()))
-        for before, sample in itertools.pairwise(first):
-            if sample.epoch != before.epoch or sample.batch <= before.batch:
-                axes.axvline(sample.step - 0.5, color="0.85", lw=0.8)
-        axes.set_ylim(0, 1.25 * highest)  # Room for the legend.
-        axes.set_xlabel(f"{phase} batch")
-        axes.set_ylabel("memory (MB)")
-        axes.set_title("Peak memory per epoch (solid) and in use (dotted)")
-        axes.legend(loc="upper right", fontsize="small")
-        if path is not None:
-            figure.savefig(os.fspath(path), format="png")
-        return figure
+        return _memory_report.plot(self._record.samples, path, phase)
 
-    # Reading memory.
-
-    def _find_devices(self):
-        """Decides how to read each device, saying once what cannot be."""
-        self._sources, self._limits, self._unavailable = {}, {}, {}
-        for device in self.devices or self._default_devices():
-            info = memory.memory_info(device)
-            if info.current_bytes is not None:
-                self._sources[device] = ALLOCATOR
-            elif device.startswith("CPU:") and _resident_bytes() is not None:
-                self._sources[device] = PROCESS_RSS
-                self._report(
-                    device,
-                    "MemoryMonitor: %s keeps no allocator statistics (%s); "
-                    "reporting the process's resident memory (RSS) for it "
-                    "instead, labelled 'process_rss' in the samples.",
-                    info.reason,
-                )
-            else:
-                self._unavailable[device] = info.reason or "no statistics"
-                self._report(
-                    device,
-                    "MemoryMonitor: cannot read the memory of %s (%s); "
-                    "monitoring the other devices.",
-                    info.reason,
-                )
-                continue
-            self._limits[device] = info.limit_bytes
-
-    def _default_devices(self) -> list[str]:
-        strategy = getattr(self.model, "distribute_strategy", None)
-        if (
-            strategy is not None
-            and not tf.distribute.has_strategy()
-            and strategy is not tf.distribute.get_strategy()
-        ):
-            with strategy.scope():
-                return memory.default_devices()
-        return memory.default_devices()
-
-    def _report(self, device, message, reason):
-        if device not in self._reported:
-            self._reported.add(device)
-            if self.verbose:
-                logging.warning(message, device, reason)
-
-    def _read(self, device) -> tuple[int, int] | None:
-        """Returns (current, peak) bytes, the peak since the last reset."""
-        if self._sources[device] == PROCESS_RSS:
-            current = _resident_bytes()
-            peak = max(current, self._rss_peaks.get(device, 0))
-            self._rss_peaks[device] = peak
-            return current, peak
-        info = memory.memory_info(device, include_limit=False)
-        if info.current_bytes is None:
-            return None
-        return info.current_bytes, info.peak_bytes
-
-    def _read_all(self) -> dict[str, tuple[int, int]]:
-        readings = {}
-        for device in self._sources:
-            reading = self._read(device)
-            if reading is not None:
-                readings[device] = reading
-        return readings
+    # Recording.
 
     def _start_peak(self):
         """Starts a new peak: each epoch (or run) has its own."""
-        self._warned = False
-        for device, source in self._sources.items():
-            if source == PROCESS_RSS:
-                self._rss_peaks[device] = _resident_bytes()
-            else:
-                memory.reset_peak_memory(device)
+        self._record.warned = False
+        self._memory.start_peak()
 
     def _on_batch_end(self, phase, batch):
-        step = self._steps[phase]
-        self._steps[phase] += 1
-        self._calls[phase] += 1
-        if (self._calls[phase] - 1) % self.every_n_batches:
+        record = self._record
+        step = record.steps[phase]
+        record.steps[phase] += 1
+        record.calls[phase] += 1
+        if (record.calls[phase] - 1) % self.every_n_batches:
             return
-        epoch = self._epoch if self._in_fit else None
-        for device, (current, peak) in self._read_all().items():
-            limit = self._limits[device]
+        epoch = record.epoch if record.in_fit else None
+        for device, (current, peak) in self._memory.read().items():
+            limit = self._memory.limits[device]
             sample = MemorySample(
                 epoch=epoch,
                 batch=int(batch),
@@ -480,146 +332,79 @@ class MemoryMonitor(keras.callbacks.Callback):
                 current_mb=current / _MB,
                 peak_mb=peak / _MB,
                 limit_mb=None if limit is None else limit / _MB,
-                source=self._sources[device],
+                source=self._memory.sources[device],
             )
-            self.samples.append(sample)
-            self._write(sample)
+            record.samples.append(sample)
+            for writer in self._writers:
+                writer.write(sample)
             self._check_limit(device, peak, phase, batch)
 
+    def _discover(self):
+        """Decides how to read the devices, refusing ones that don't exist."""
+        if self.devices is None:
+            self._memory.discover(_default_devices(self.model))
+            return
+        present = [
+            memory.device_name(device)
+            for device in tf.config.list_logical_devices()
+        ]
+        missing = [device for device in self.devices if device not in present]
+        if missing:
+            raise ValueError(
+                "`devices` must name devices that this process has; "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                f"not among them ({', '.join(present)}). "
+                f"Received: devices={self.devices!r}"
+            )
+        self._memory.discover(self.devices)
+
     def _on_run_begin(self, phase):
-        self._calls[phase] = 0
-        if self._in_fit:
+        self._record.calls[phase] = 0
+        if self._record.in_fit:
             return  # Validation: part of the epoch and of its peak.
-        self._epoch = None
-        self._find_devices()
+        self._record.epoch = None
+        self._record.started = True
+        self._discover()
         self._start_peak()
-        self._open_outputs(append=True)
+        self._open_writers(append=True)
 
     def _on_run_end(self, phase):
-        if self._in_fit:
+        if self._record.in_fit:
             return
-        self._run_peaks[phase] = {
-            device: peak / _MB for device, (_, peak) in self._read_all().items()
+        self._record.run_peaks[phase] = {
+            device: peak / _MB
+            for device, (_, peak) in self._memory.read().items()
         }
-        self._close_outputs()
+        self._close_writers()
 
     def _check_limit(self, device, peak, phase, batch):
-        limit = self._limits.get(device)
+        record = self._record
+        limit = self._memory.limits.get(device)
         if (
-            self._warned
+            record.warned
             or self.warn_at is None
             or not limit
             or peak < self.warn_at * limit
         ):
             return
-        self._warned = True
+        record.warned = True
         if not self.verbose:
             return
-        if not self._in_fit:
-            where = f"in {phase}()"
-        elif phase == "train":
-            where = f"in epoch {self._epoch}"
-        else:
-            where = f"in the validation of epoch {self._epoch}"
-        if batch is not None:
-            where += f" (batch {batch})"
-        logging.warning(
-            "MemoryMonitor: %s reached %.1f MB %s, %.0f%% of its %.1f MB "
-            "limit (warn_at=%g); a larger batch or input may run out of "
-            "memory. Use a smaller batch size, with gradient accumulation "
-            "(`tfmemsafe.with_gradient_accumulation`) to keep the effective "
-            "batch size. Or %s",
-            device,
-            peak / _MB,
-            where,
-            100 * peak / limit,
-            limit / _MB,
-            self.warn_at,
-            _messages.OOM_ADVICE[0].lower() + _messages.OOM_ADVICE[1:],
-        )
+        where = record.where(phase, batch)
+        _warn_near_limit(device, peak, limit, self.warn_at, where)
 
-    def _device_notes(self) -> list[str]:
-        notes = [
-            f"{device}: {_SOURCE_LABELS[source]}; its peak is the highest "
-            "reading, not an exact high-water mark."
-            for device, source in self._sources.items()
-            if source == PROCESS_RSS
-        ]
-        notes += [
-            f"{device}: not monitored ({reason})."
-            for device, reason in self._unavailable.items()
-        ]
-        return notes
+    # Writing the samples as they come.
 
-    # Outputs: callback order, CSV and TensorBoard.
-
-    def _run_first(self):
-        """Moves this callback to the front of the `CallbackList` calling it.
-
-        Keras passes one `logs` dict to the callbacks' `on_epoch_end` in
-        list order, and no earlier hook shares that dict; a `CSVLogger` or
-        `EarlyStopping` listed before this callback would read the epoch
-        logs before the memory keys are added. Moving from the position
-        being iterated to the front skips and repeats no callback.
-        """
-        frame = sys._getframe(1)
-        for _ in range(3):
-            frame = frame.f_back
-            if frame is None:
-                return
-            caller = frame.f_locals.get("self")
-            if isinstance(caller, keras.callbacks.CallbackList):
-                callbacks = caller.callbacks
-                for index, callback in enumerate(callbacks):
-                    if callback is self:
-                        callbacks.insert(0, callbacks.pop(index))
-                        return
-                return
-
-    def _open_outputs(self, append):
-        if self.csv_path is not None and self._csv_file is None:
-            directory = os.path.dirname(self.csv_path)
-            if directory:
-                os.makedirs(directory, exist_ok=True)
-            mode = "a" if append else "w"
-            self._csv_file = open(self.csv_path, mode, newline="")
-            self._csv_writer = csv.writer(self._csv_file)
-            if self._csv_file.tell() == 0:
-                self._csv_writer.writerow(_CSV_FIELDS)
-        if self.log_dir is not None and self._writer is None:
-            self._writer = _EventFile(os.path.join(self.log_dir, "memory"))
-
-    def _write(self, sample: MemorySample):
-        if self._csv_file is not None:
-            values = (getattr(sample, name) for name in _CSV_FIELDS)
-            self._csv_writer.writerow(
-                "" if value is None else value for value in values
-            )
-        if self._writer is not None:
-            device = sample.device.replace(":", "_")
-            self._writer.write(
-                sample.step,
-                {
-                    f"memory_peak_mb/{sample.phase}/{device}": sample.peak_mb,
-                    f"memory_current_mb/{sample.phase}/{device}": (
-                        sample.current_mb
-                    ),
-                },
+    def _open_writers(self, append):
+        if not self._writers:
+            self._writers = _sample_writers.open_writers(
+                self.csv_path, self.log_dir, append=append
             )
 
-    def _flush_outputs(self):
-        if self._csv_file is not None:
-            self._csv_file.flush()
-        if self._writer is not None:
-            self._writer.flush()
-
-    def _close_outputs(self):
-        if self._csv_file is not None:
-            self._csv_file.close()
-            self._csv_file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+    def _close_writers(self):
+        for writer in self._writers:
+            writer.close()
+        self._writers = []
 
 
 def _check_devices(devices) -> list[str] | None:
@@ -644,6 +429,19 @@ def _check_devices(devices) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
+def _default_devices(model) -> list[str]:
+    """The model's `tf.distribute` replica devices, else the defaults."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if (
+        strategy is not None
+        and not tf.distribute.has_strategy()
+        and strategy is not tf.distribute.get_strategy()
+    ):
+        with strategy.scope():
+            return memory.default_devices()
+    return memory.default_devices()
+
+
 def _log_values(readings: dict[str, tuple[int, int]]) -> dict[str, float]:
     """The epoch log entries: the maximum over devices, then each device."""
     values = {
@@ -658,85 +456,19 @@ def _log_values(readings: dict[str, tuple[int, int]]) -> dict[str, float]:
     return values
 
 
-def _resident_bytes() -> int | None:
-    """The process's resident memory in bytes, or `None` if unknown."""
-    return _resident_reader()()
-
-
-@functools.cache
-def _resident_reader():
-    try:
-        import psutil
-    except ImportError:
-        pass
-    else:
-        process = psutil.Process()
-        return lambda: process.memory_info().rss
-    try:
-        page_size = os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/self/statm") as f:
-            f.read()
-    except (OSError, ValueError, AttributeError):
-        pass
-    else:
-        return functools.partial(_statm_resident_bytes, page_size)
-    try:
-        import resource
-    except ImportError:
-        return lambda: None
-    # Only the lifetime peak is available here; better than nothing.
-    scale = 1 if sys.platform == "darwin" else 1024
-    return lambda: scale * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def _statm_resident_bytes(page_size: int) -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page_size
-
-
-class _EventFile:
-    """Writes TensorBoard scalars to an event file, without TensorFlow ops.
-
-    `tf.summary.scalar` needs the tensorboard package, which TensorFlow no
-    longer installs, and `tf.summary.write` runs an op per value (hundreds
-    of microseconds); building the event protos here takes about ten.
-    """
-
-    _serial = itertools.count()
-
-    def __init__(self, directory: str):
-        tf.io.gfile.makedirs(directory)
-        name = (
-            f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}"
-            f".{os.getpid()}.{next(self._serial)}.v2"
-        )
-        self._records = tf.io.TFRecordWriter(os.path.join(directory, name))
-        self._records.write(
-            tf.compat.v1.Event(
-                wall_time=time.time(), file_version="brain.Event:2"
-            ).SerializeToString()
-        )
-
-    def write(self, step: int, scalars: dict[str, float]):
-        values = [
-            tf.compat.v1.Summary.Value(
-                tag=tag,
-                metadata=_SCALAR_METADATA,
-                tensor=tensor_pb2.TensorProto(
-                    dtype=tf.float32.as_datatype_enum, float_val=[value]
-                ),
-            )
-            for tag, value in scalars.items()
-        ]
-        event = tf.compat.v1.Event(
-            wall_time=time.time(),
-            step=step,
-            summary=tf.compat.v1.Summary(value=values),
-        )
-        self._records.write(event.SerializeToString())
-
-    def flush(self):
-        self._records.flush()
-
-    def close(self):
-        self._records.close()
+def _warn_near_limit(device, peak, limit, warn_at, where):
+    """Logs that `device` peaked at `peak` bytes, `warn_at` of its limit."""
+    logging.warning(
+        "MemoryMonitor: %s reached %.1f MB %s, %.0f%% of its %.1f MB "
+        "limit (warn_at=%g); a larger batch or input may run out of "
+        "memory. Use a smaller batch size, with gradient accumulation "
+        "(`tfmemsafe.with_gradient_accumulation`) to keep the effective "
+        "batch size. Or %s",
+        device,
+        peak / _MB,
+        where,
+        100 * peak / limit,
+        limit / _MB,
+        warn_at,
+        _messages.OOM_ADVICE[0].lower() + _messages.OOM_ADVICE[1:],
+    )

@@ -16,9 +16,12 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-# Keras internals with no public accessor: the autocast, stateless and
-# symbolic scopes, and the `SeedGenerator` behind unseeded `keras.random`
-# (created by `global_seed_generator`, kept in Keras' global state).
+# Keras 3.15 has no public equivalent of these: `keras.StatelessScope` and
+# `keras.SymbolicScope` are public but not `in_stateless_scope()` and
+# `in_symbolic_scope()` (asking whether one is active), nor
+# `AutocastScope`; and the `SeedGenerator` behind unseeded `keras.random`
+# calls is created by `global_seed_generator()` and kept in Keras' global
+# state with no public accessor.
 from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state as keras_global_state
 from keras.src.random.seed_generator import global_seed_generator

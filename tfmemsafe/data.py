@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfmemsafe.errors import DatasetUnavailableError
 
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+_CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 CIFAR10_CLASSES = (
     "airplane",
     "automobile",
@@ -29,7 +29,7 @@ CIFAR10_CLASSES = (
     "ship",
     "truck",
 )
-SPLITS = ("train", "test")
+_SPLITS = ("train", "test")
 _SHUFFLE_BUFFER = 10_000
 _CROP_PADDING = 4
 
@@ -124,9 +124,9 @@ def digits(
     >>> int(train.cardinality())
     1437
     """
-    if split not in SPLITS:
+    if split not in _SPLITS:
         raise ValueError(
-            f"`split` must be one of {SPLITS}. Received: split={split!r}"
+            f"`split` must be one of {_SPLITS}. Received: split={split!r}"
         )
     if not 0 < test_fraction < 1:
         raise ValueError(
@@ -243,7 +243,7 @@ def _unavailable_message(data_dir, cause: str) -> str:
 
 def _download(builder, data_dir) -> None:
     if not _download_is_mocked(builder):
-        host = urllib.parse.urlparse(CIFAR10_URL).hostname
+        host = urllib.parse.urlparse(_CIFAR10_URL).hostname
         try:
             socket.getaddrinfo(host, 443)
         except OSError as err:

@@ -1,22 +1,11 @@
-"""Training under `MultiWorkerMirroredStrategy`, where Keras 3 alone fails.
+"""Training on several workers: who is who, backups, and stopping on OOM.
 
-Keras 3.15's TensorFlow trainer fails before the first step when a plain
-`keras.Model` is fit under `tf.distribute.MultiWorkerMirroredStrategy`
-(keras-team/keras#20585, tensorflow/tensorflow#72388), at two points:
-
-1. `_maybe_symbolic_build` takes a sample batch with
-   `strategy.reduce("MEAN", per_replica_batch, axis=None)` outside any
-   function, which the collective strategy cannot convert to a tensor.
-2. `reduce_per_replica` reduces every log with
-   `strategy.reduce("MEAN", value, axis=0)` when it runs on several
-   workers, which fails for scalar logs ("Invalid reduction dimension 0
-   for input with 0 dimensions").
-
-`_MultiWorkerSupport` fixes both on our own model class, without touching
-Keras: it builds from one replica's part of the batch, and gives each
-scalar log a leading axis of length 1 so that Keras' reduction averages
-it over the workers and returns a scalar again. Every other step (the
-gradient all-reduce, metrics, `evaluate`, `predict`) is Keras' own.
+`is_multi_worker`, `worker_index` and `is_chief` tell a process its place
+in a `MultiWorkerMirroredStrategy` cluster; `MultiWorkerBackupAndRestore`
+backs up from the chief only; `stop_all_workers` stops every worker when
+one runs out of memory. A plain Keras 3 model cannot be fit under that
+strategy at all; `tfmemsafe.AccumulatingModel` can (see
+`tfmemsafe/_multi_worker.py` for why and how).
 """
 
 from __future__ import annotations
@@ -24,7 +13,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from absl import logging
-from tensorflow.core.protobuf import error_codes_pb2
+
+# TensorFlow has no public way to report an error to the cluster's
+# coordination service (`report_error_to_cluster`).
 from tensorflow.python.eager import context
 
 from tfmemsafe import _messages
@@ -62,57 +53,6 @@ def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
     return worker_index(strategy) == 0
 
 
-class _MultiWorkerSupport:
-    """Lets a `keras.Model` subclass train under MultiWorkerMirroredStrategy.
-
-    A mixin placed before `keras.Model` in the bases. On one machine
-    nothing changes.
-    """
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
-        if (
-            iterator is None
-            or strategy is None
-            or not is_multi_worker(strategy)
-        ):
-            return super()._maybe_symbolic_build(
-                iterator=iterator, data_batch=data_batch
-            )
-        # Keras averages the replicas' batches to get a sample batch; the
-        # collective strategy cannot do that eagerly. One replica's part
-        # has the same structure, which is all building needs.
-        for _, _, epoch_iterator in iterator:
-            batch = next(epoch_iterator)
-            data_batch = tf.nest.map_structure(
-                lambda value: (
-                    strategy.experimental_local_results(value)[0]
-                    if isinstance(value, tf.distribute.DistributedValues)
-                    else value
-                ),
-                batch,
-            )
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def _make_function(self, step_function):
-        if not is_multi_worker(self.distribute_strategy):
-            return super()._make_function(step_function)
-
-        def step_with_vector_logs(data):
-            return tf.nest.map_structure(
-                _as_vector_if_scalar, step_function(data)
-            )
-
-        return super()._make_function(step_with_vector_logs)
-
-
-def _as_vector_if_scalar(value):
-    value = tf.convert_to_tensor(value)
-    return tf.reshape(value, [1]) if value.shape.rank == 0 else value
-
-
 class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` for several workers.
 
@@ -123,9 +63,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
     machine it is `keras.callbacks.BackupAndRestore`.
 
     After a job fails, for example because one worker ran out of memory,
-    start every worker again with the same `backup_dir` (and, after an
-    OOM, a smaller `--batch_size`): training resumes after the last epoch
-    the chief backed up.
+    start every worker again with the same `backup_dir`: training resumes
+    after the last epoch the chief backed up. After an OOM,
+    `tfmemsafe.fit` stores the smaller batch size with the backup, so the
+    same command resumes at it.
 
     Args:
         backup_dir: str. A directory every worker can read. Other
@@ -143,7 +84,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 def stop_all_workers(
-    err: BaseException, batch_size: int, strategy=None
+    err: BaseException,
+    batch_size: int,
+    strategy=None,
+    resume_batch_size: int | None = None,
 ) -> OutOfMemoryError:
     """Stops the whole job after one worker ran out of memory.
 
@@ -159,6 +103,9 @@ def stop_all_workers(
             worker reported.
         batch_size: The global batch size that did not fit.
         strategy: The job's strategy. Defaults to the one in scope.
+        resume_batch_size: int or `None`. The smaller batch size stored
+            with the backup, which a restart of the same command resumes
+            at; `None` if none was stored.
 
     Returns:
         A `tfmemsafe.OutOfMemoryError` to raise from `err`, saying which
@@ -171,19 +118,30 @@ def stop_all_workers(
             return OutOfMemoryError(reported, (batch_size,))
     strategy = strategy or tf.distribute.get_strategy()
     workers = strategy.extended._num_workers
+    if resume_batch_size is None:
+        restart = (
+            "Restart all workers with a smaller batch size (for example "
+            f"{max(batch_size // 2, workers)}); with "
+            "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
+            "among the callbacks, training resumes after the last completed "
+            "epoch."
+        )
+    else:
+        restart = (
+            "Restart all workers with the same command: tfmemsafe.fit "
+            f"stored global batch size {resume_batch_size} with the backup "
+            "of `MultiWorkerBackupAndRestore`, and resumes after the last "
+            "completed epoch at that size."
+        )
     message = (
         f"{_STOPPED} {worker_index(strategy)} of {workers} at global batch "
         f"size {batch_size}. A multi-worker job cannot halve its batch on "
         "one worker while the others wait in the same collective, so every "
-        "worker has been stopped. Restart all workers with a smaller batch "
-        f"size (for example {max(batch_size // 2, workers)}); with "
-        "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
-        "among the callbacks, training resumes after the last completed "
-        f"epoch. {_messages.OOM_ADVICE}"
+        f"worker has been stopped. {restart} {_messages.OOM_ADVICE}"
     )
     try:
         context.context().report_error_to_cluster(
-            error_codes_pb2.RESOURCE_EXHAUSTED, message
+            tf.errors.RESOURCE_EXHAUSTED, message
         )
     except (tf.errors.OpError, ValueError, RuntimeError) as report_error:
         # No coordination service: the others learn of it from the

@@ -11,6 +11,10 @@ from tfmemsafe import _oom_messages
 
 _MB = 1024 * 1024
 
+# TensorFlow's BFC allocator on the CPU stops here unless
+# TF_CPU_BFC_MEM_LIMIT_IN_MB says otherwise.
+TF_BFC_DEFAULT_LIMIT_BYTES = 64 * 1024 * _MB
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryInfo:
@@ -100,10 +104,11 @@ def memory_info(device=None, *, include_limit: bool = True) -> MemoryInfo:
     Current and peak come from `tf.config.experimental.get_memory_info`.
     The limit is, on a GPU, a logical device's `memory_limit` when one was
     configured, else the card's total memory read with NVML (install
-    `nvidia-ml-py`); on the CPU, `TF_CPU_BFC_MEM_LIMIT_IN_MB` when
-    `TF_CPU_ALLOCATOR_USE_BFC=true`, else the machine's (or container's)
-    memory. This never raises because statistics are unavailable: the
-    unknown fields are `None` and `reason` says why.
+    `nvidia-ml-py`); on the CPU, the machine's (or container's) memory,
+    or with `TF_CPU_ALLOCATOR_USE_BFC=true` the BFC allocator's limit:
+    `TF_CPU_BFC_MEM_LIMIT_IN_MB`, by default 64 GB. This never raises
+    because statistics are unavailable: the unknown fields are `None` and
+    `reason` says why.
 
     Args:
         device: str or `tf.config.LogicalDevice`. The device to read.
@@ -157,7 +162,9 @@ def reset_peak_memory(device=None) -> bool:
 def is_oom_error(exc: BaseException | None) -> bool:
     """Tells whether an exception is an out-of-memory error.
 
-    Counted: `tf.errors.ResourceExhaustedError`, and any other
+    Counted: `tf.errors.ResourceExhaustedError` (unless its message says a
+    disk, a file table or an RPC size limit ran out: TensorFlow reports
+    those with the same code), and any other
     `tf.errors.OpError` or `RuntimeError` (XLA's `XlaRuntimeError`) whose
     message reports a failed allocation: XLA's "RESOURCE_EXHAUSTED" and
     "Out of memory while trying to allocate", "OOM when allocating", the
@@ -229,7 +236,8 @@ def _wrapped_error(exc: BaseException) -> BaseException | None:
 
 def _is_oom_itself(exc: BaseException) -> bool:
     if isinstance(exc, tf.errors.ResourceExhaustedError):
-        return True
+        # Also a full disk, too many open files or an oversized RPC.
+        return not _oom_messages.is_other_resource_text(str(exc))
     if isinstance(exc, (tf.errors.OpError, RuntimeError)):
         return _oom_messages.is_allocation_failure_text(str(exc))
     return False
@@ -245,19 +253,31 @@ def _limit_bytes(name: str) -> tuple[int | None, str | None]:
 
 
 def _cpu_limit_bytes() -> tuple[int | None, str | None]:
-    use_bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower()
-    cap = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
-    if use_bfc in ("true", "1") and cap.strip().isdigit():
-        return int(cap) * _MB, None
+    machine = machine_memory_bytes()
+    use_bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower()
+    if use_bfc in ("true", "1"):
+        cap = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "").strip()
+        if cap.isdigit():
+            return int(cap) * _MB, None
+        # Without a cap, TensorFlow's BFC allocator stops at 64 GB.
+        limit = min(
+            machine or TF_BFC_DEFAULT_LIMIT_BYTES, TF_BFC_DEFAULT_LIMIT_BYTES
+        )
+        return limit, None
+    if machine is None:
+        return None, "the machine's memory size is unknown"
+    return machine, None
+
+
+def machine_memory_bytes() -> int | None:
+    """The machine's memory, or its container's cgroup limit if lower."""
     limits = []
     try:
         limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         pass
     limits.extend(_cgroup_limits())
-    if not limits:
-        return None, "the machine's memory size is unknown"
-    return min(limits), None
+    return min(limits) if limits else None
 
 
 def _cgroup_limits() -> list[int]:

@@ -3,71 +3,51 @@
 `fit` trains a compiled Keras model like `model.fit`, but when a batch does
 not fit in device memory it halves the batch size (doubling an
 `AccumulatingModel`'s `accumulation_steps`, so each update still averages
-the same number of samples), puts back the weights and optimizer state of
-the start of the failed epoch and carries on from that epoch. `evaluate`
-and `predict` halve the same way. `find_max_batch_size` measures the
-largest batch that trains with some memory to spare.
+the same number of samples), puts back what the failed step changed and
+goes on at that step (`_step_guard` says what a failed step can have
+changed; the epoch starts again in the rare cases it must). `evaluate`
+and `predict` halve the same way. Every out-of-memory error takes one path,
+`_halving.retry_on_oom`; the data kinds are in `_sources`, what a run
+keeps to resume in `_resume`, and `find_max_batch_size` in `batch_search`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import math
+import functools
 from collections.abc import Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _backup
 from tfmemsafe import _checks
 from tfmemsafe import _messages
-from tfmemsafe import accumulation
 from tfmemsafe import distribute
-from tfmemsafe import memory
+from tfmemsafe._halving import Halving
+from tfmemsafe._halving import RetryBudget
+from tfmemsafe._halving import release
+from tfmemsafe._halving import retry_on_oom
+from tfmemsafe._resume import EpochStart
+from tfmemsafe._resume import Position
+from tfmemsafe._resume import PredictionProgress
+from tfmemsafe._resume import ResumableCallbackList
+from tfmemsafe._resume import forget_epoch
+from tfmemsafe._resume import gradient_accumulators_of
+from tfmemsafe._resume import optimizers_of
+from tfmemsafe._sources import Arrays
+from tfmemsafe._sources import Source
+from tfmemsafe._sources import source_for
+from tfmemsafe._step_guard import StepGuard
+from tfmemsafe.batch_search import find_max_batch_size
+from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.history import FitHistory
+from tfmemsafe.history import OOMEvent
 
-# Keras' default batch size, used for arrays and unbatched datasets.
-_DEFAULT_BATCH_SIZE = 32
-_DEFAULT_MAX_BATCH_SIZE = 4096
-# `tf.data` transformations that batch or unbatch their input, by class.
-_BATCHING = (
-    "_BatchDataset",
-    "_PaddedBatchDataset",
-    "_ParallelBatchDataset",
-    "_RebatchDataset",
-)
-_UNBATCHING = ("_UnbatchDataset",)
 # `model.fit` arguments that `tfmemsafe.fit` takes in its own way.
 _DATA_ARGUMENTS = ("x", "y", "sample_weight")
-
-
-@dataclasses.dataclass(frozen=True)
-class OOMEvent:
-    """An out-of-memory error that `tfmemsafe.fit` recovered from.
-
-    Attributes:
-        epoch: int. The epoch that failed, counted from 0 as Keras
-            callbacks count; training resumed at its start.
-        step: int. The batch within the epoch (or within its validation)
-            that was running.
-        phase: str. `"training"` or `"validation"`.
-        batch_size_before: int. The batch size that ran out of memory.
-        batch_size_after: int. The batch size used from then on.
-        accumulation_steps: int or `None`. The model's
-            `accumulation_steps` after recovery; `None` for a model
-            without gradient accumulation.
-        error: str. The line of the error that says what ran out.
-    """
-
-    epoch: int
-    step: int
-    phase: str
-    batch_size_before: int
-    batch_size_after: int
-    accumulation_steps: int | None
-    error: str
 
 
 def fit(
@@ -83,7 +63,7 @@ def fit(
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose="auto",
     **fit_kwargs,
-) -> keras.callbacks.History:
+) -> FitHistory:
     """Trains a compiled model, halving the batch when memory runs out.
 
     Works like `model.fit`. When a step, or the validation at the end of an
@@ -100,9 +80,14 @@ def fit(
        samples as before; for other models it warns once that the
        effective batch shrinks. `steps_per_epoch` and `validation_steps`
        double, so an epoch still covers the same data;
-    4. restores the weights and optimizer state saved in memory at the
-       start of the failed epoch, so no part of it is applied twice, and
-       resumes at that epoch.
+    4. puts back what the failed step changed (metrics, moving
+       statistics; no update runs before all gradients exist) and goes on
+       at that step: nothing before it is replayed, no sample is skipped
+       or used twice, and the epoch's logs cover the whole epoch. A
+       failure in validation goes on at the failed validation step. When
+       the data cannot give the same order again, or the failed step had
+       begun its update, it restores the state the epoch started with and
+       starts the epoch again (see docs/oom-recovery.md).
 
     The same callback objects see every attempt as one run: each gets
     `on_train_begin` once and `on_train_end` once, at the end, so
@@ -132,21 +117,26 @@ def fit(
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
         callbacks: list of `keras.callbacks.Callback`. Passed to every
-            attempt.
+            attempt, `tfmemsafe.MemoryMonitor`s first so that the callbacks
+            after them see `memory_peak_mb` in the epoch logs.
         verbose: `"auto"`, 0, 1 or 2, as in `model.fit`.
         **fit_kwargs: Other `model.fit` arguments (`initial_epoch`,
             `steps_per_epoch`, `validation_batch_size`, `validation_steps`,
             `validation_freq`, `shuffle`, `class_weight`, ...).
 
     Returns:
-        A `keras.callbacks.History` with one entry per completed epoch
-        across all attempts, plus `oom_events` (a list of `OOMEvent`) and
-        `batch_size` (the training batch size at the end).
+        A `tfmemsafe.FitHistory`: a `keras.callbacks.History` with one
+        entry per completed epoch across all attempts, plus `oom_events`
+        (a list of `OOMEvent`) and `batch_size` (the training batch size at
+        the end). A `History` passed in `callbacks` is the one returned,
+        made a `FitHistory` in place.
 
     Raises:
         OutOfMemoryError: If the batch size would fall below
-            `min_batch_size`, or `max_retries` is used up. The original
-            error is chained as `__cause__`.
+            `min_batch_size`, or `max_retries` is used up. The model is
+            then put back in the state of the last completed epoch (or of
+            the start), which the message names. The original error is
+            chained as `__cause__`.
         TypeError: If `data` or `validation_data` is of no accepted kind.
         ValueError: If an argument is out of range.
 
@@ -169,29 +159,45 @@ def fit(
                 "e.g. data=(x, y, sample_weight). "
                 f"Received: {name}={fit_kwargs[name]!r:.60}"
             )
-    train = _Data(data, "data", labelled=True)
-    validation = None
+    train_source = source_for(data, "data", labelled=True)
+    validation_source = None
     if validation_data is not None:
-        validation = _Data(validation_data, "validation_data", labelled=True)
-    if batch_size == "auto":
-        batch_size = _search_max_batch_size(
-            model, train, _DEFAULT_BATCH_SIZE, _DEFAULT_MAX_BATCH_SIZE, 2, 0.1
+        validation_source = source_for(
+            validation_data, "validation_data", labelled=True
         )
+    if batch_size == "auto":
+        batch_size = find_max_batch_size(model, data)
         logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
-    run = _FitRun(
-        model,
-        train,
-        validation,
-        batch_size=train.resolve_batch_size(batch_size, "batch_size"),
+    other_arguments = dict(fit_kwargs)
+    settings = _FitSettings(
+        train_source=train_source,
+        validation_source=validation_source,
+        batch_size=train_source.resolve_batch_size(batch_size),
+        validation_batch_size=other_arguments.pop(
+            "validation_batch_size", None
+        ),
         epochs=epochs,
+        initial_epoch=other_arguments.pop("initial_epoch", 0),
+        steps_per_epoch=other_arguments.pop("steps_per_epoch", None),
+        validation_steps=other_arguments.pop("validation_steps", None),
         min_batch_size=min_batch_size,
-        keep_effective_batch_size=keep_effective_batch_size,
         max_retries=max_retries,
-        callbacks=_checks.callbacks(callbacks),
+        keep_effective_batch_size=keep_effective_batch_size,
         verbose=verbose,
-        fit_kwargs=fit_kwargs,
+        other_arguments=other_arguments,
     )
-    return run.train()
+    if settings.validation_batch_size is not None:
+        _checks.integer("validation_batch_size", settings.validation_batch_size)
+    _check_start(
+        min_batch_size,
+        batch_size=settings.batch_size,
+        validation_batch_size=settings.validation_batch_size,
+    )
+    if not model.built:
+        # The epoch snapshot builds the optimizer: the model's variables
+        # must exist by then (a subclassed model makes them in its call).
+        model(train_source.sample_inputs(), training=False)
+    return _FitRun(model, settings, _checks.callbacks(callbacks)).train()
 
 
 def evaluate(
@@ -240,32 +246,35 @@ def evaluate(
     """
     _checks.compiled_model(model, "evaluate")
     _check_limits(min_batch_size, max_retries)
-    source = _Data(data, "data", labelled=True)
-    halving = _Halving.start(
-        "evaluation", model, source, batch_size, min_batch_size
+    source = source_for(data, "data", labelled=True)
+    sizes = Halving(
+        "evaluation",
+        source.resolve_batch_size(batch_size),
+        model=model,
+        min_batch_size=min_batch_size,
+        budget=RetryBudget(max_retries),
     )
-    callbacks = _checks.callbacks(callbacks)
-    while True:
-        size = halving.batch_size
-        try:
-            return model.evaluate(
-                **source.keras_arguments(size),
-                steps=_scaled(steps, halving),
-                callbacks=callbacks,
-                verbose=verbose,
-                return_dict=return_dict,
-            )
-        except Exception as err:
-            if not memory.is_oom_error(err):
-                raise
-            halving.halve(err, max_retries, halving.retries)
+    _check_start(min_batch_size, batch_size=sizes.batch_size)
+    callbacks = _monitors_first(_checks.callbacks(callbacks))
+
+    def attempt():
+        return model.evaluate(
+            **source.keras_arguments(sizes.batch_size),
+            steps=sizes.scaled_steps(steps),
+            callbacks=callbacks,
+            verbose=verbose,
+            return_dict=return_dict,
+        )
+
+    def recover(batch_size_before: int) -> None:
         logging.warning(
             "tfmemsafe.evaluate: out of memory at batch size %d; starting "
             "again at %d.",
-            size,
-            halving.batch_size,
+            batch_size_before,
+            sizes.batch_size,
         )
-        _release(model)
+
+    return retry_on_oom(model, attempt, sizes.halve, recover)
 
 
 def predict(
@@ -314,390 +323,357 @@ def predict(
     """
     _checks.model(model)
     _check_limits(min_batch_size, max_retries)
-    source = _Data(data, "data", labelled=False)
-    halving = _Halving.start(
-        "prediction", model, source, batch_size, min_batch_size
+    source = source_for(data, "data", labelled=False)
+    sizes = Halving(
+        "prediction",
+        source.resolve_batch_size(batch_size),
+        model=model,
+        min_batch_size=min_batch_size,
+        budget=RetryBudget(max_retries),
     )
-    collector = _OutputCollector()
-    callbacks = [collector, *_checks.callbacks(callbacks)]
-    finished = []  # Outputs of the batches done before each failure.
-    done = 0
-    while True:
-        size = halving.batch_size
-        collector.outputs = []
-        try:
-            outputs = model.predict(
-                **source.keras_arguments(size, skip=done),
-                callbacks=callbacks,
-                verbose=verbose,
-            )
-            break
-        except Exception as err:
-            if not memory.is_oom_error(err):
-                raise
-            halving.halve(err, max_retries, halving.retries)
-        # Host copies, so the device memory of the finished batches is free.
-        kept = [
-            keras.tree.map_structure(np.asarray, o) for o in collector.outputs
-        ]
-        collector.outputs = []
-        done += sum(_num_rows(o) for o in kept)
-        finished.extend(kept)
+    _check_start(min_batch_size, batch_size=sizes.batch_size)
+    progress = PredictionProgress()
+    callbacks = _monitors_first([progress, *_checks.callbacks(callbacks)])
+
+    def attempt():
+        outputs = model.predict(
+            **source.keras_arguments(sizes.batch_size, skip=progress.rows_done),
+            callbacks=callbacks,
+            verbose=verbose,
+        )
+        return progress.all_outputs(outputs)
+
+    def recover(batch_size_before: int):
+        progress.keep_finished()
         logging.warning(
             "tfmemsafe.predict: out of memory at batch size %d after %d "
             "samples; going on at %d.",
-            size,
-            done,
-            halving.batch_size,
+            batch_size_before,
+            progress.rows_done,
+            sizes.batch_size,
         )
-        _release(model)
-        if collector.ended:  # Every batch was done; what failed came after.
-            return _concatenate(finished)
-    if not finished:
-        return outputs
-    return _concatenate([*finished, outputs])
-
-
-def find_max_batch_size(
-    model: keras.Model,
-    data,
-    *,
-    start: int = _DEFAULT_BATCH_SIZE,
-    max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
-    steps_per_trial: int = 2,
-    headroom: float = 0.1,
-) -> int:
-    """Finds the largest batch size that trains with memory to spare.
-
-    Trains `steps_per_trial` steps at `start`, then at twice that, and so
-    on, until a size runs out of memory, or its peak memory (read with
-    `tfmemsafe.memory_info`) leaves less than `headroom` of the device's
-    limit free, or `max_batch_size` (or the number of samples) is reached.
-    It then bisects between the last good and the first bad size, to
-    within an eighth of the good one: each trial that runs out of memory
-    costs about ten seconds, the time the allocator waits for memory to
-    be freed before it gives up. If `start` is already bad, it halves
-    down first.
-
-    The model's weights, optimizer state (including the iteration count
-    and a `LossScaleOptimizer`'s scale) and random-seed state are put back
-    exactly as they were found; the compiled functions are dropped.
-
-    Without memory statistics (a CPU without `TF_CPU_ALLOCATOR_USE_BFC`)
-    only out-of-memory errors and `max_batch_size` bound the search.
-
-    Args:
-        model: A compiled `keras.Model`.
-        data: Training data of any kind `tfmemsafe.fit` accepts.
-        start: int. The first batch size to try. Defaults to 32.
-        max_batch_size: int. The largest batch size to try. Defaults to
-            4096.
-        steps_per_trial: int. Training steps per batch size tried.
-            Defaults to 2.
-        headroom: float. The fraction of the memory limit that must stay
-            free at the peak, in [0, 1). Defaults to 0.1.
-
-    Returns:
-        The largest good batch size found.
-
-    Raises:
-        OutOfMemoryError: If not even a batch of one fits.
-
-    Example:
-    >>> tfmemsafe.find_max_batch_size(model, (x, y), start=64)
-    448
-    """
-    _checks.compiled_model(model, "find_max_batch_size")
-    _checks.integer("start", start, 1)
-    _checks.integer("max_batch_size", max_batch_size, 1)
-    _checks.integer("steps_per_trial", steps_per_trial, 1)
-    _checks.fraction("headroom", headroom)
-    source = _Data(data, "data", labelled=True)
-    return _search_max_batch_size(
-        model, source, start, max_batch_size, steps_per_trial, headroom
-    )
-
-
-class _Data:
-    """The user's data, in one of the accepted kinds, at any batch size."""
-
-    def __init__(self, data, argument: str, *, labelled: bool):
-        self.argument = argument
-        self.data = data
-        self.batch_size = None  # The size a batched dataset comes in.
-        if isinstance(data, tf.data.Dataset):
-            batched, self.batch_size = _batching_of(data)
-            self.kind = "batched" if batched else "unbatched"
-        elif callable(data):
-            self.kind = "callable"
-        elif labelled and _is_labelled_arrays(data):
-            self.kind = "arrays"
-        elif not labelled and _is_arrays(data):
-            self.kind = "arrays"
-        else:
-            arrays = "(x, y) or (x, y, sample_weight)" if labelled else "x"
-            raise TypeError(
-                f"`{argument}` must be a callable `batch_size -> "
-                "tf.data.Dataset`, a tf.data.Dataset, or arrays "
-                f"{arrays}. Received: {argument}={data!r:.80} of type "
-                f"{type(data).__name__}"
-            )
-        self._labelled = labelled
-
-    def resolve_batch_size(self, batch_size, argument: str) -> int:
-        if batch_size is None:
-            if self.kind == "callable":
-                raise ValueError(
-                    f"`{argument}` is required when `{self.argument}` is a "
-                    "callable: it is the size your pipeline is built at. "
-                    f"Received: {argument}=None"
-                )
-            if self.kind == "batched" and self.batch_size is None:
-                raise ValueError(
-                    f"`{argument}` is required: the batch size of "
-                    f"`{self.argument}` could not be read from its "
-                    f"pipeline. Received: {argument}=None"
-                )
-            return self.batch_size or _DEFAULT_BATCH_SIZE
-        return _checks.integer(argument, batch_size, 1)
-
-    @property
-    def num_samples(self) -> int | None:
-        if self.kind == "arrays":
-            x = self.data[0] if self._labelled else self.data
-            return _num_rows(x)
-        if self.kind == "unbatched":
-            cardinality = int(self.data.cardinality())
-            return cardinality if cardinality >= 0 else None
+        if progress.ended:  # Every batch was done; what failed came after.
+            return progress.all_outputs()
         return None
 
-    def dataset(self, batch_size: int, *, repeat: bool = False):
-        """The data as a dataset of batches of `batch_size`."""
-        if self.kind == "callable":
-            dataset = self.data(batch_size)
-            if not isinstance(dataset, tf.data.Dataset):
-                raise TypeError(
-                    f"`{self.argument}` must return a tf.data.Dataset when "
-                    f"called with a batch size. Received: "
-                    f"{self.argument}({batch_size}) = {dataset!r:.80}"
-                )
-            return dataset.repeat() if repeat else dataset
-        dataset = self.data.repeat() if repeat else self.data
-        if self.kind == "unbatched":
-            dataset = dataset.batch(batch_size)
-        elif batch_size != self.batch_size or repeat:
-            dataset = dataset.rebatch(batch_size)
-        else:
-            return dataset  # The user's pipeline, as it is.
-        return dataset.prefetch(tf.data.AUTOTUNE)
+    return retry_on_oom(model, attempt, sizes.halve, recover)
 
-    def keras_arguments(self, batch_size: int, skip: int = 0) -> dict:
-        """Arguments for `model.fit/evaluate/predict`, from sample `skip`."""
-        if self.kind == "arrays":
-            if not self._labelled:
-                x = keras.tree.map_structure(lambda a: a[skip:], self.data)
-                return {"x": x, "batch_size": batch_size}
-            x, y, sample_weight = (*self.data, None)[:3]
-            return {
-                "x": x,
-                "y": y,
-                "sample_weight": sample_weight,
-                "batch_size": batch_size,
-            }
-        dataset = self.dataset(batch_size)
-        if skip and skip % batch_size == 0:
-            dataset = dataset.skip(skip // batch_size)
-        elif skip:
-            dataset = dataset.unbatch().skip(skip).batch(batch_size)
-        return {"x": dataset}
 
-    def validation_arguments(self, batch_size: int) -> dict:
-        if self.kind == "arrays":
-            return {
-                "validation_data": tuple(self.data),
-                "validation_batch_size": batch_size,
-            }
-        return {"validation_data": self.dataset(batch_size)}
+@dataclasses.dataclass(frozen=True)
+class _FitSettings:
+    """What one `tfmemsafe.fit` call asks for, checked; fixed for the run.
 
-    def trial_arguments(self, batch_size: int, steps: int) -> dict:
-        """Arguments for `model.fit` to train `steps` full batches.
+    Attributes:
+        train_source: Source. The training data.
+        validation_source: Source or `None`. The validation data.
+        batch_size: int. The training batch size to start at.
+        validation_batch_size: int or `None`. The user's
+            `validation_batch_size`.
+        epochs: int. The epoch to stop at.
+        initial_epoch: int. The epoch to start at.
+        steps_per_epoch: int or `None`. At the first batch size.
+        validation_steps: int or `None`. At the first validation batch
+            size.
+        min_batch_size: int. The smallest batch size to try.
+        max_retries: int or `None`. How many errors to recover from.
+        keep_effective_batch_size: bool. Whether to double the model's
+            `accumulation_steps` when the training batch halves.
+        verbose: `"auto"`, 0, 1 or 2.
+        other_arguments: dict. The other `model.fit` arguments, passed to
+            every attempt as they are.
+    """
 
-        The whole arrays are passed, not a slice: Keras holds them in
-        device memory, and the trial must need what training will.
-        """
-        if self.kind == "arrays":
-            arguments = self.keras_arguments(batch_size)
-            arguments.update(shuffle=False, steps_per_epoch=steps)
-            return arguments
-        return {
-            "x": self.dataset(batch_size, repeat=True).take(steps),
-            "shuffle": False,
-        }
-
-    def num_batches(self, arguments: dict) -> int | None:
-        """The batches per epoch of `keras_arguments`, if known."""
-        if self.kind == "arrays":
-            split = arguments.get("validation_split") or 0.0
-            rows = math.floor(self.num_samples * (1.0 - split))
-            return math.ceil(rows / arguments["batch_size"])
-        cardinality = int(arguments["x"].cardinality())
-        return cardinality if cardinality >= 0 else None
+    train_source: Source
+    validation_source: Source | None
+    batch_size: int
+    validation_batch_size: int | None
+    epochs: int
+    initial_epoch: int
+    steps_per_epoch: int | None
+    validation_steps: int | None
+    min_batch_size: int
+    max_retries: int | None
+    keep_effective_batch_size: bool
+    verbose: int | str
+    other_arguments: dict
 
 
 class _FitRun:
-    """One `tfmemsafe.fit` call: its attempts, and recovery between them."""
+    """One `tfmemsafe.fit` call: its attempts, and recovery between them.
 
-    def __init__(
-        self,
-        model,
-        train,
-        validation,
-        *,
-        batch_size,
-        epochs,
-        min_batch_size,
-        keep_effective_batch_size,
-        max_retries,
-        callbacks,
-        verbose,
-        fit_kwargs,
-    ):
+    It owns all the state that changes during the call, declared here.
+    Each epoch is one `model.fit` call (the callbacks see one run), so
+    that each epoch can be given its own data: the epoch's shuffled order
+    of arrays, or, after an out-of-memory error at step k, the samples
+    from step k on at the new batch size.
+    """
+
+    def __init__(self, model, settings: _FitSettings, callbacks: list):
         self.model = model
-        self.train_data = train
-        self.validation_data = validation
-        self.epochs = epochs
-        self.keep_effective_batch_size = keep_effective_batch_size
-        self.max_retries = max_retries
-        self.verbose = verbose
-        self.fit_kwargs = dict(fit_kwargs)
-        self.initial_epoch = self.fit_kwargs.pop("initial_epoch", 0)
-        self.steps_per_epoch = self.fit_kwargs.pop("steps_per_epoch", None)
-        self.validation_steps = self.fit_kwargs.pop("validation_steps", None)
-        validation_batch_size = self.fit_kwargs.pop(
-            "validation_batch_size", None
+        self.settings = settings
+        self.other_arguments = dict(settings.other_arguments)
+        self.train_source = settings.train_source
+        self.validation_source = settings.validation_source
+        split = self.other_arguments.pop("validation_split", None)
+        if split and self.validation_source is None:
+            if isinstance(self.train_source, Arrays):
+                # Split once, as Keras does (the last rows), so that the
+                # rest of an epoch is never split again.
+                self.train_source, self.validation_source = (
+                    self.train_source.split(split)
+                )
+            else:
+                self.other_arguments["validation_split"] = split
+        # tfmemsafe shuffles arrays itself, one permutation per epoch from
+        # a seed drawn from NumPy's generator (`set_random_seed` sets it).
+        self.shuffle = self.other_arguments.pop(
+            "shuffle", isinstance(self.train_source, Arrays)
         )
-        floor = _batch_floor(model, min_batch_size)
-        self.training = _Halving("training", batch_size, floor, min_batch_size)
-        self.validation = None
-        if validation is not None:
-            if validation_batch_size is None and validation.kind == "batched":
-                validation_batch_size = validation.batch_size
-            # Without a size of its own, validation follows training.
-            self.validation_follows_training = validation_batch_size is None
-            self.validation = _Halving(
+        self.seed = int(np.random.randint(2**31))
+        # One budget: `max_retries` counts both phases' halvings.
+        budget = RetryBudget(settings.max_retries)
+        self.train_sizes = Halving(
+            "training",
+            settings.batch_size,
+            model=model,
+            min_batch_size=settings.min_batch_size,
+            budget=budget,
+        )
+        self.validation_sizes = None
+        # Without a size of its own, validation follows training.
+        self.validation_follows_training = False
+        if self.validation_source is not None:
+            size = settings.validation_batch_size
+            if size is None:
+                size = self.validation_source.batch_size
+            self.validation_follows_training = size is None
+            self.validation_sizes = Halving(
                 "validation",
-                validation_batch_size or batch_size,
-                floor,
-                min_batch_size,
+                size or settings.batch_size,
+                model=model,
+                min_batch_size=settings.min_batch_size,
+                budget=budget,
             )
-        self.events = []
         self.warned_effective_batch = False
-        self.tracker = _Tracker(self.initial_epoch)
-        self.history = (
-            next(
-                (
-                    c
-                    for c in callbacks
-                    if isinstance(c, keras.callbacks.History)
-                ),
-                None,
-            )
-            or keras.callbacks.History()
-        )
-        user = [c for c in callbacks if c is not self.history]
-        self.callbacks = _ResumableCallbackList(
-            [self.tracker, *user, self.history],
-            add_progbar=verbose != 0,
+        # Where the next attempt starts: epoch, training sample, and the
+        # validation sample when only the epoch's validation remains.
+        self.resume_epoch = settings.initial_epoch
+        self.first_epoch = settings.initial_epoch
+        self.skip = 0
+        self.validation_skip = None
+        self.resume_refusal = ""
+        self.guard = None
+        self.history = _fit_history(callbacks)
+        self.decisions = _backup.Decisions(callbacks)
+        self.decisions.load(self.train_sizes, model, _accumulation_steps)
+        if self.decisions.loaded and self.validation_follows_training:
+            self.validation_sizes.follow(self.train_sizes)
+        self.position = Position(settings.initial_epoch, guard=None)
+        self.epoch_start = EpochStart()
+        others = [c for c in callbacks if c is not self.history]
+        self.callbacks = ResumableCallbackList(
+            _monitors_first(
+                [self.position, self.epoch_start, *others, self.history]
+            ),
+            add_progbar=settings.verbose != 0,
             model=model,
         )
 
-    def train(self) -> keras.callbacks.History:
-        epoch = self.initial_epoch
-        while True:
-            try:
-                self._attempt(epoch)
-                break
-            except Exception as err:
-                if not memory.is_oom_error(err):
-                    raise
-                strategy = self.model.distribute_strategy
-                if distribute.is_multi_worker(strategy):
-                    raise distribute.stop_all_workers(
-                        err, self.training.batch_size, strategy
-                    ) from err
-                event = self._next_sizes(err)
-            # Out of the `except` block the failed attempt's frames, and
-            # the tensors they hold, can be freed.
-            epoch = self._recover(event)
-        self.history.oom_events = self.events
-        self.history.batch_size = self.training.batch_size
+    def train(self) -> FitHistory:
+        self.guard = StepGuard(
+            self.model,
+            optimizers_of(self.model),
+            gradient_accumulators_of(self.model),
+        )
+        self.position.guard = self.guard
+        try:
+            self._begin()
+            retry_on_oom(self.model, self._attempt, self._on_oom, self._recover)
+        finally:
+            self.guard.close()
+        self.callbacks.end_run(self.position.last_logs)
+        self.history.batch_size = self.train_sizes.batch_size
         return self.history
 
-    def _attempt(self, epoch: int) -> None:
-        arguments = dict(self.fit_kwargs)
-        if self.train_data.kind != "arrays":
-            # Keras ignores `shuffle` for datasets, and warns when it is
-            # left at its default, True.
-            arguments.setdefault("shuffle", False)
-        arguments.update(
-            self.train_data.keras_arguments(self.training.batch_size)
-        )
-        steps = _scaled(self.steps_per_epoch, self.training)
-        self.callbacks.set_params(
-            {
-                "verbose": self.verbose,
-                "epochs": self.epochs,
-                "steps": steps or self.train_data.num_batches(arguments),
-            }
-        )
-        if self.validation_data is not None:
+    def _begin(self) -> None:
+        """Starts the run for the callbacks at the epoch to start at."""
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            with self.model.distribute_strategy.scope():
+                optimizer.build(self.model.trainable_variables)
+        self.callbacks.set_params(self._params(None))
+        self.callbacks.on_train_begin()
+        # `BackupAndRestore` sets this private attribute in
+        # `on_train_begin` to the epoch it restored; `fit` would prefer it
+        # to our `initial_epoch`.
+        restored = getattr(self.model, "_initial_epoch", None)
+        self.model._initial_epoch = None
+        self.first_epoch = max(self.settings.initial_epoch, restored or 0)
+        self.resume_epoch = self.first_epoch
+
+    def _params(self, steps) -> dict:
+        settings = self.settings
+        return {
+            "verbose": settings.verbose,
+            "epochs": settings.epochs,
+            "steps": steps,
+        }
+
+    def _attempt(self) -> None:
+        """Trains from where the last attempt stopped to the last epoch."""
+        if self.validation_skip is not None:
+            self._finish_validation(self.resume_epoch, self.validation_skip)
+            self.resume_epoch, self.skip = self.resume_epoch + 1, 0
+            self.validation_skip = None
+            if self.model.stop_training:
+                return
+        while self.resume_epoch < self.settings.epochs:
+            self._fit_epoch(self.resume_epoch, self.skip)
+            self.resume_epoch, self.skip = self.resume_epoch + 1, 0
+            if self.model.stop_training:
+                return
+
+    def _fit_epoch(self, epoch: int, skip: int) -> None:
+        settings = self.settings
+        source = self.train_source
+        size = self.train_sizes.batch_size
+        order = None
+        if self.shuffle and isinstance(source, Arrays):
+            order = np.random.default_rng([self.seed, epoch]).permutation(
+                source.num_samples
+            )
+        arguments = {**source.fit_defaults(), **self.other_arguments}
+        arguments.update(source.keras_arguments(size, skip, order=order))
+        # Keras ignores `shuffle` for datasets (and warns when it is
+        # True); arrays are shuffled here.
+        arguments["shuffle"] = False
+        steps = self.train_sizes.scaled_steps(settings.steps_per_epoch)
+        done = self.position.steps_done if skip else 0
+        total = steps or source.num_batches(arguments)
+        self.callbacks.set_params(self._params(done + total if total else None))
+        if self.validation_source is not None:
             arguments.update(
-                self.validation_data.validation_arguments(
-                    self.validation.batch_size
+                self.validation_source.validation_arguments(
+                    self.validation_sizes.batch_size
                 ),
-                validation_steps=_scaled(
-                    self.validation_steps, self.validation
+                validation_steps=self.validation_sizes.scaled_steps(
+                    settings.validation_steps
                 ),
             )
-        self.model.fit(
-            **arguments,
-            epochs=self.epochs,
-            initial_epoch=epoch,
-            steps_per_epoch=steps,
-            callbacks=self.callbacks,
-            verbose=self.verbose,
+            self.position.start_validation(0, self.validation_sizes.batch_size)
+        self.position.start_epoch(skip, size)
+        self.callbacks.resume_at(epoch if skip else None, done)
+        try:
+            self.model.fit(
+                **arguments,
+                epochs=epoch + 1,
+                initial_epoch=epoch,
+                steps_per_epoch=steps,
+                callbacks=self.callbacks,
+                verbose=settings.verbose,
+            )
+        finally:
+            self.callbacks.end_call()
+
+    def _finish_validation(self, epoch: int, skip: int) -> None:
+        """Runs the rest of `epoch`'s validation, then ends the epoch."""
+        size = self.validation_sizes.batch_size
+        self.position.start_validation(skip, size)
+        self.callbacks.resume_validation_at(
+            self.position.validation_steps_done if skip else 0
         )
+        try:
+            logs = self.model.evaluate(
+                **self.validation_source.keras_arguments(size, skip),
+                steps=self.validation_sizes.scaled_steps(
+                    self.settings.validation_steps
+                ),
+                callbacks=self.callbacks,
+                return_dict=True,
+                verbose=0,
+            )
+        finally:
+            self.callbacks.end_call()
+        epoch_logs = dict(self.position.train_logs)
+        epoch_logs.update({f"val_{name}": v for name, v in logs.items()})
+        self.callbacks.on_epoch_end(epoch, epoch_logs)
+
+    def _on_oom(self, err: BaseException) -> OOMEvent:
+        """Halves the failed phase's batch, or raises OutOfMemoryError."""
+        strategy = self.model.distribute_strategy
+        if distribute.is_multi_worker(strategy):
+            raise self._stop_all_workers(err, strategy) from err
+        try:
+            return self._next_sizes(err)
+        except OutOfMemoryError as gave_up:
+            raise self._give_up(gave_up) from err
 
     def _next_sizes(self, err: BaseException) -> OOMEvent:
-        """Halves the failed phase's batch, or raises OutOfMemoryError."""
-        phase = self.tracker.phase
-        halving = self.validation if phase == "validation" else self.training
-        before = halving.batch_size
-        halving.halve(err, self.max_retries, len(self.events))
+        phase = self.position.phase
+        sizes = (
+            self.validation_sizes if phase == "validation" else self.train_sizes
+        )
+        steps_before = _accumulation_steps(self.model)
+        before = sizes.halve(err)
         accumulation_steps = _accumulation_steps(self.model)
+        resumed_at_step = None
         if phase == "training":
-            if self.validation is not None and self.validation_follows_training:
-                self.validation.follow(self.training)
+            if self.validation_follows_training:
+                self.validation_sizes.follow(self.train_sizes)
             accumulation_steps = self._keep_effective_batch(
                 before, accumulation_steps
             )
+            if self._can_resume(sizes.batch_size):
+                resumed_at_step = self.position.steps_done
+                if steps_before and accumulation_steps:
+                    _carry_partial_window(
+                        self.model, accumulation_steps / steps_before
+                    )
         else:
             self.validation_follows_training = False
+            # Training of the epoch is done: it is never replayed. The
+            # validation goes on at its failed step, or starts again.
+            resumed_at_step = 0
+            if (
+                self.validation_source.position_is_reproducible(
+                    sizes.batch_size
+                )
+                and self.settings.validation_steps is None
+            ):
+                resumed_at_step = self.position.validation_steps_done
         event = OOMEvent(
-            epoch=self.tracker.epoch,
-            step=self.tracker.step,
+            epoch=self.position.epoch,
+            step=self.position.step,
             phase=phase,
             batch_size_before=before,
-            batch_size_after=halving.batch_size,
+            batch_size_after=sizes.batch_size,
             accumulation_steps=accumulation_steps,
             error=_messages.error_line(err),
+            resumed_at_step=resumed_at_step,
         )
-        self.events.append(event)
+        self.history.oom_events.append(event)
         return event
 
+    def _can_resume(self, batch_size: int) -> bool:
+        """Whether training can go on at the failed step (see the docs)."""
+        if self.position.ending:
+            self.resume_refusal = "it came after the epoch's last step"
+        elif self.guard.touched():
+            self.resume_refusal = "an update had begun when memory ran out"
+        elif self.settings.steps_per_epoch is not None:
+            self.resume_refusal = "`steps_per_epoch` is set"
+        elif not self.train_source.position_is_reproducible(batch_size):
+            self.resume_refusal = (
+                "the data does not give the same order again: shuffled "
+                "without a fixed seed, or not deterministic"
+            )
+        else:
+            return True
+        return False
+
     def _keep_effective_batch(self, before: int, steps: int | None):
-        after = self.training.batch_size
-        if not self.keep_effective_batch_size:
+        after = self.train_sizes.batch_size
+        if not self.settings.keep_effective_batch_size:
             return steps
         if steps is None:
             if not self.warned_effective_batch:
@@ -723,390 +699,129 @@ class _FitRun:
             )
         return steps * 2
 
-    def _recover(self, event: OOMEvent) -> int:
-        """Makes the model ready to go on; returns the epoch to resume."""
+    def _recover(self, event: OOMEvent) -> None:
+        """Makes the model ready to go on where `event` says."""
         self.callbacks.abandon_attempt()
-        _release(self.model)
-        if self.tracker.snapshot is not None:
-            self.tracker.snapshot.restore()
-        _forget_epoch(self.history, event.epoch, self.tracker.epoch_end_keys)
-        self.tracker.phase = "training"
-        # `BackupAndRestore` sets this in `on_train_begin`, and `fit` would
-        # prefer it to our `initial_epoch`.
+        self.position.abandon_attempt()
+        self.resume_epoch = event.epoch
+        self.skip, self.validation_skip = 0, None
+        if event.phase == "validation":
+            self.validation_skip = 0
+            where = f"the start of the validation of epoch {event.epoch + 1}"
+            if event.resumed_at_step:
+                self.guard.restore_small_state()
+                self.position.carry_metrics()
+                self.validation_skip = self.position.validation_samples_done
+                where = (
+                    f"validation step {event.resumed_at_step} of epoch "
+                    f"{event.epoch + 1}"
+                )
+        elif event.resumed_at_step is not None:
+            # Only what the failed step's forward pass changed: metrics,
+            # moving statistics, seeds.
+            self.guard.restore_small_state()
+            self.position.carry_metrics()
+            self.skip = self.position.samples_done
+            where = f"step {event.resumed_at_step} of epoch {event.epoch + 1}"
+        else:
+            self.epoch_start.restore()
+            forget_epoch(
+                self.history, event.epoch, self.position.epoch_end_keys
+            )
+            where = (
+                f"the start of epoch {event.epoch + 1} ({self.resume_refusal})"
+            )
+        # `BackupAndRestore` sets this private attribute in `on_train_begin`,
+        # and `fit` would prefer it to our `initial_epoch`.
         self.model._initial_epoch = None
-        accumulation = (
-            ""
-            if event.accumulation_steps is None
-            else f", accumulation steps {event.accumulation_steps}"
-        )
         logging.warning(
-            "tfmemsafe.fit: out of memory in epoch %d/%d, %s step %d: batch "
-            "size %d -> %d%s. Resuming at the start of epoch %d.",
-            event.epoch + 1,
-            self.epochs,
-            event.phase,
-            event.step,
-            event.batch_size_before,
-            event.batch_size_after,
-            accumulation,
-            event.epoch + 1,
-        )
-        return event.epoch
-
-
-class _Halving:
-    """The batch sizes of one phase, and when to stop halving them."""
-
-    def __init__(self, phase, batch_size, floor, min_batch_size):
-        self.phase = phase
-        self.tried = [batch_size]
-        self.floor = floor
-        self.min_batch_size = min_batch_size
-
-    @classmethod
-    def start(cls, phase, model, source, batch_size, min_batch_size):
-        return cls(
-            phase,
-            source.resolve_batch_size(batch_size, "batch_size"),
-            _batch_floor(model, min_batch_size),
-            min_batch_size,
+            "tfmemsafe.fit: out of memory in %s. Resuming at %s.",
+            event,
+            where,
         )
 
-    @property
-    def batch_size(self) -> int:
-        return self.tried[-1]
-
-    @property
-    def retries(self) -> int:
-        return len(self.tried) - 1
-
-    @property
-    def ratio(self) -> float:
-        return self.tried[0] / self.tried[-1]
-
-    def follow(self, other: _Halving) -> None:
-        self.tried.append(other.batch_size)
-
-    def halve(self, err, max_retries: int | None, retries: int) -> None:
-        """Halves the batch size, or raises OutOfMemoryError from `err`."""
-        size = self.batch_size
-        if max_retries is not None and retries >= max_retries:
-            reason = "`max_retries` is used up"
-        elif size // 2 < self.floor:
-            reason = (
-                f"half of it would be below `min_batch_size`="
-                f"{self.min_batch_size}"
-                if self.floor == self.min_batch_size
-                else f"half of it would leave a replica with no sample "
-                f"(the global batch must be >= {self.floor})"
-            )
+    def _give_up(self, error: OutOfMemoryError) -> OutOfMemoryError:
+        """Puts back the last completed epoch's state; says so."""
+        self.callbacks.abandon_attempt()
+        release(self.model)
+        self.epoch_start.restore()
+        epoch = self.epoch_start.epoch
+        optimizer = self.model.optimizer
+        iterations = 0 if optimizer is None else optimizer.iterations.numpy()
+        if epoch is None or epoch == self.first_epoch:
+            state = "before training"
         else:
-            self.tried.append(size // 2)
-            return
-        raise OutOfMemoryError(
-            f"Could not fit a {self.phase} batch of {size} after trying "
-            f"{_messages.format_sizes(self.tried)}, and {reason}. "
-            f"{_messages.OOM_ADVICE}",
-            self.tried,
-        ) from err
-
-
-class _Snapshot:
-    """Host copies of a model's variables and its optimizers', to put back.
-
-    The optimizers are the compiled one and any the model holds as
-    attributes (a GAN's `generator_optimizer`, say). Copies are per
-    variable, so under `tf.distribute` a mirrored variable is read once
-    and assigned back to every replica.
-    """
-
-    def __init__(self, model: keras.Model):
-        optimizer = model.optimizer
-        if optimizer is not None and not optimizer.built:
-            # Its variables must exist to be saved (and restored to zeros).
-            # Only the compiled optimizer is known to update exactly the
-            # model's trainable variables; others are saved as they are.
-            with model.distribute_strategy.scope():
-                optimizer.build(model.trainable_variables)
-        optimizers = _optimizers(model)
-        variables = list(model.variables)
-        for each in optimizers:
-            variables += each.variables
-        self.model = model
-        self.unbuilt = [each for each in optimizers if not each.built]
-        self.variables = list({id(v): v for v in variables}.values())
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
-
-    def restore(self) -> None:
-        for variable, value in zip(self.variables, self.values, strict=True):
-            variable.assign(value)
-        for optimizer in self.unbuilt:
-            if optimizer.built:
-                logging.warning(
-                    "tfmemsafe: optimizer %r of %s was built after its "
-                    "state was saved, so what it gathered since (such as "
-                    "Adam's moments) is kept, not rewound. Build it in "
-                    "`compile`.",
-                    optimizer.name,
-                    self.model.name,
-                )
-        self.unbuilt = [each for each in self.unbuilt if not each.built]
-        # An `AccumulatingModel`'s partial window is state too; at the start
-        # of an epoch it is empty.
-        for accumulator in _gradient_accumulators(self.model):
-            accumulator.reset()
-
-
-class _Tracker(keras.callbacks.Callback):
-    """Knows where training is, and saves the state each epoch starts with."""
-
-    def __init__(self, initial_epoch: int):
-        super().__init__()
-        self.epoch = initial_epoch
-        self.step = 0
-        self.phase = "training"
-        self.snapshot = None
-        self.snapshot_epoch = None
-        self.epoch_end_keys = ()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch, self.step, self.phase = epoch, 0, "training"
-        # A retry starts at the epoch it has just restored: no new copy.
-        if epoch != self.snapshot_epoch:
-            self.snapshot = _Snapshot(self.model)
-            self.snapshot_epoch = epoch
-        self.epoch_end_keys = ()
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.step = batch
-
-    def on_test_begin(self, logs=None):
-        self.phase, self.step = "validation", 0
-
-    def on_test_batch_begin(self, batch, logs=None):
-        self.step = batch
-
-    def on_test_end(self, logs=None):
-        self.phase = "training"
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_end_keys = tuple(logs or ())
-
-
-class _ResumableCallbackList(keras.callbacks.CallbackList):
-    """A `CallbackList` that makes several `model.fit` calls one run.
-
-    Each callback gets `on_train_begin` once, so what callbacks reset there
-    (`EarlyStopping`'s patience, `CSVLogger`'s file, `History.epoch`,
-    `TensorBoard`'s step) carries on across retries. A callback that a
-    model's own `fit` adds on each call (`AccumulatingModel` does) is
-    dropped with its failed attempt, and the next one gets its own
-    `on_train_begin`.
-    """
-
-    def __init__(self, callbacks, **kwargs):
-        super().__init__(callbacks, **kwargs)
-        self._own = list(self.callbacks)
-        self._started = set()
-
-    def on_train_begin(self, logs=None):
-        if not self._started:
-            super().on_train_begin(logs)
-        else:
-            for callback in self.callbacks:
-                if id(callback) not in self._started:
-                    callback.on_train_begin(logs)
-        self._started.update(id(c) for c in self.callbacks)
-
-    def abandon_attempt(self) -> None:
-        """Forgets what the failed attempt left behind."""
-        # Keras may run `on_train_batch_end` in a thread pool: let the
-        # failed attempt's calls finish before the weights are restored.
-        flush = getattr(self, "_flush_futures", None)
-        if flush is not None:
-            flush()
-        # A failed validation opened a test block that never closed; only
-        # the training block is open.
-        if hasattr(self, "_in_begin_end_block_count"):
-            self._in_begin_end_block_count = 1
-        own = {id(c) for c in self._own}
-        self.callbacks = [c for c in self.callbacks if id(c) in own]
-        # The dropped callbacks' ids may be reused by new objects.
-        self._started &= own
-
-
-class _OutputCollector(keras.callbacks.Callback):
-    """Keeps each predicted batch, to survive a failure later on."""
-
-    def __init__(self):
-        super().__init__()
-        self.outputs = []
-        self.ended = False
-
-    def on_predict_begin(self, logs=None):
-        self.ended = False
-
-    def on_predict_batch_end(self, batch, logs=None):
-        self.outputs.append(logs["outputs"])
-
-    def on_predict_end(self, logs=None):
-        self.ended = True
-
-
-def _search_max_batch_size(
-    model, source, start, max_batch_size, steps, headroom
-) -> int:
-    """`find_max_batch_size` on checked arguments."""
-    samples = source.num_samples
-    largest = min(max_batch_size, samples) if samples else max_batch_size
-    multiple = _batch_floor(model, 1)
-    start = max(multiple, min(start, largest))
-    trial = _Trial(model, source, steps, headroom)
-    try:
-        good = bad = None
-        size = start
-        while good is None:  # Halve down until something fits.
-            smallest = size // 2 < multiple
-            if trial.fits(size, last_chance=smallest):
-                good = size
-            elif smallest:  # It trains, only without the headroom.
-                good = size
-                logging.warning(
-                    "tfmemsafe.find_max_batch_size: even batch %d leaves "
-                    "less than %.0f%% of the memory free. %s",
-                    size,
-                    100 * headroom,
-                    _messages.OOM_ADVICE,
-                )
-            else:
-                bad, size = size, size // 2
-        while bad is None and good < largest:  # Grow.
-            size = min(good * 2, largest)
-            if trial.fits(size):
-                good = size
-            else:
-                bad = size
-        while bad is not None and bad - good > max(multiple, good // 8):
-            size = _round_down((good + bad) // 2, multiple, good)
-            if trial.fits(size):
-                good = size
-            else:
-                bad = size
-    finally:
-        trial.close()
-    logging.info(
-        "tfmemsafe.find_max_batch_size: %d (tried %s).",
-        good,
-        _messages.format_sizes(trial.tried),
-    )
-    return good
-
-
-class _Trial:
-    """Trains a few steps at a batch size and says whether it fitted."""
-
-    def __init__(self, model, source, steps, headroom):
-        self.model = model
-        self.source = source
-        self.steps = steps
-        self.headroom = headroom
-        self.tried = []
-        _ensure_built(model, source)
-        self.snapshot = _Snapshot(model)
-        self.history = getattr(model, "history", None)
-        with model.distribute_strategy.scope():
-            self.devices = memory.default_devices()
-        self.limits = {
-            device: memory.memory_info(device).limit_bytes
-            for device in self.devices
-        }
-        self.warned = False
-
-    def fits(self, batch_size: int, last_chance: bool = False) -> bool:
-        """Whether `batch_size` trains and leaves the headroom free.
-
-        Raises OutOfMemoryError if it runs out and it was the last chance.
-        """
-        self.tried.append(batch_size)
-        for device in self.devices:
-            memory.reset_peak_memory(device)
-        try:
-            self.model.fit(
-                **self.source.trial_arguments(batch_size, self.steps),
-                epochs=1,
-                verbose=0,
-            )
-        except Exception as err:
-            if not memory.is_oom_error(err):
-                raise
-            if last_chance:
-                raise OutOfMemoryError(
-                    f"Could not fit a training batch of {batch_size} after "
-                    f"trying {_messages.format_sizes(self.tried)}. "
-                    f"{_messages.OOM_ADVICE}",
-                    self.tried,
-                ) from err
-            logging.info(
-                "tfmemsafe.find_max_batch_size: batch %d ran out of memory.",
-                batch_size,
-            )
-            return False
-        finally:
-            self.snapshot.restore()
-            _release(self.model)
-        return self._peak_leaves_headroom(batch_size)
-
-    def _peak_leaves_headroom(self, batch_size) -> bool:
-        fractions = []
-        for device in self.devices:
-            peak = memory.memory_info(device, include_limit=False).peak_bytes
-            limit = self.limits[device]
-            # A peak of 0 means the device keeps no statistics.
-            if peak and limit:
-                fractions.append(peak / limit)
-        if not fractions:
-            if not self.warned:
-                self.warned = True
-                logging.warning(
-                    "tfmemsafe.find_max_batch_size: no memory statistics on "
-                    "%s; only out-of-memory errors and `max_batch_size` "
-                    "bound the search.",
-                    ", ".join(self.devices),
-                )
-            return True
-        logging.info(
-            "tfmemsafe.find_max_batch_size: batch %d peaked at %.0f%% of "
-            "the memory limit.",
-            batch_size,
-            100 * max(fractions),
+            state = f"at the end of epoch {epoch}"
+        message = str(error)
+        advice = message.find(_messages.OOM_ADVICE)
+        if advice < 0:
+            advice = len(message)
+        where = (
+            f"The model is as it was {state} (optimizer iterations "
+            f"{int(iterations)}). "
         )
-        return max(fractions) <= 1.0 - self.headroom
+        return OutOfMemoryError(
+            (message[:advice] + where + message[advice:]).strip(),
+            error.tried_batch_sizes,
+        )
 
-    def close(self) -> None:
-        self.snapshot.restore()
-        self.model.history = self.history
-        _release(self.model)
+    def _stop_all_workers(self, err, strategy) -> OutOfMemoryError:
+        """Stores the smaller size with the backup, then stops the job."""
+        before = self.train_sizes.batch_size
+        after = None
+        if self.decisions.directories and self.position.phase == "training":
+            try:
+                self._next_sizes(err)
+            except OutOfMemoryError:
+                pass  # Nothing smaller to store: stop all the same.
+            else:
+                after = self.train_sizes.batch_size
+                self.decisions.store(
+                    self.train_sizes, _accumulation_steps(self.model)
+                )
+        return distribute.stop_all_workers(
+            err, before, strategy, resume_batch_size=after
+        )
 
 
-def _ensure_built(model, source) -> None:
-    """Builds the model, so that all its variables exist to be saved."""
-    if model.built:
-        return
-    if source.kind == "arrays":
-        x = keras.tree.map_structure(lambda a: a[:1], source.data[0])
-    else:
-        batch = next(iter(source.dataset(1).take(1)))
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-    model(x, training=False)
+def _carry_partial_window(model, ratio: float) -> None:
+    """Keeps an `AccumulatingModel`'s partial window for the resumed call.
+
+    Its micro-batches are counted again in units of the new, smaller
+    ones, so that the window is applied after the same samples.
+    """
+    carry = getattr(model, "_carry_partial_window", None)
+    if carry is not None:
+        carry(ratio)
 
 
-def _release(model) -> None:
-    """Drops what a failed attempt may hold, so its memory can be reused."""
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None
-    model._eval_epoch_iterator = None  # The cached validation iterator.
-    gc.collect()
+def _fit_history(callbacks: list) -> FitHistory:
+    """The `History` in `callbacks`, made a `FitHistory`, or a new one."""
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.History):
+            if not isinstance(callback, FitHistory):
+                callback.__class__ = _with_fit_history(type(callback))
+            callback.oom_events = []
+            callback.batch_size = None
+            return callback
+    return FitHistory()
+
+
+@functools.cache
+def _with_fit_history(cls: type) -> type:
+    """`FitHistory`, or a subclass of both `cls` and `FitHistory`."""
+    if cls is keras.callbacks.History:
+        return FitHistory
+    return type(cls.__name__, (cls, FitHistory), {"__module__": cls.__module__})
+
+
+def _monitors_first(callbacks: list) -> list:
+    """The callbacks, `MemoryMonitor`s first, the others in their order.
+
+    Keras passes one `logs` dict down the list in order, so the callbacks
+    after a monitor see its `memory_peak_mb` in their `on_epoch_end`.
+    """
+    return sorted(callbacks, key=lambda c: not isinstance(c, MemoryMonitor))
 
 
 def _accumulation_steps(model) -> int | None:
@@ -1116,100 +831,18 @@ def _accumulation_steps(model) -> int | None:
     return None
 
 
-def _gradient_accumulators(model) -> list:
-    return [
-        value
-        for value in vars(model).values()
-        if isinstance(value, accumulation.GradientAccumulator)
-    ]
-
-
-def _optimizers(model) -> list:
-    """The compiled optimizer and those the model holds as attributes."""
-    found = [model.optimizer, *vars(model).values()]
-    optimizers = [o for o in found if isinstance(o, keras.optimizers.Optimizer)]
-    return list({id(o): o for o in optimizers}.values())
-
-
-def _forget_epoch(history, epoch: int, keys) -> None:
-    """Drops `epoch` from `history` if it recorded it before failing."""
-    if getattr(history, "epoch", None) and history.epoch[-1] >= epoch:
-        history.epoch.pop()
-        for key in keys:
-            if history.history.get(key):
-                history.history[key].pop()
-
-
-def _batch_floor(model, min_batch_size: int) -> int:
-    """The smallest global batch: at least one sample per replica."""
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    return max(min_batch_size, replicas)
-
-
-def _round_down(size: int, multiple: int, good: int) -> int:
-    """Rounds to a multiple of 8 (or of the replicas) above `good`."""
-    for step in (8, multiple):
-        rounded = size - size % step
-        if rounded > good and rounded % multiple == 0:
-            return rounded
-    return size
-
-
-def _scaled(steps: int | None, halving: _Halving) -> int | None:
-    """Steps that cover the same samples at the halved batch size."""
-    if steps is None:
-        return None
-    return math.ceil(steps * halving.ratio)
-
-
-def _batching_of(dataset) -> tuple[bool, int | None]:
-    """Whether a dataset's pipeline batches, and the batch size if known."""
-    node = dataset
-    while node is not None:
-        name = type(node).__name__
-        if name in _BATCHING:
-            size = getattr(node, "_batch_size", None)
-            try:
-                return True, int(size) if size is not None else None
-            except TypeError:
-                return True, None
-        if name in _UNBATCHING:
-            return False, None
-        inputs = getattr(node, "_datasets", None)  # zip and similar
-        if inputs:
-            found = [_batching_of(d) for d in tf.nest.flatten(inputs)]
-            sizes = {size for _, size in found}
-            batched = all(b for b, _ in found)
-            return batched, sizes.pop() if batched and len(sizes) == 1 else None
-        node = getattr(node, "_input_dataset", None)
-    return False, None
-
-
-def _is_arrays(x) -> bool:
-    leaves = keras.tree.flatten(x)
-    return bool(leaves) and all(hasattr(leaf, "shape") for leaf in leaves)
-
-
-def _is_labelled_arrays(data) -> bool:
-    return (
-        isinstance(data, (tuple, list))
-        and len(data) in (2, 3)
-        and _is_arrays(data[0])
-        and all(part is None or _is_arrays(part) for part in data[1:])
-    )
-
-
-def _num_rows(structure) -> int:
-    return int(keras.tree.flatten(structure)[0].shape[0])
-
-
-def _concatenate(batches: list):
-    return keras.tree.map_structure(
-        lambda *parts: np.concatenate(parts, axis=0), *batches
-    )
-
-
 def _check_limits(min_batch_size, max_retries) -> None:
     _checks.integer("min_batch_size", min_batch_size, 1)
     if max_retries is not None:
         _checks.integer("max_retries", max_retries, 0)
+
+
+def _check_start(min_batch_size: int, **sizes: int | None) -> None:
+    """Refuses a batch size to start at that is below `min_batch_size`."""
+    for name, size in sizes.items():
+        if size is not None and size < min_batch_size:
+            raise ValueError(
+                f"`min_batch_size` must be <= `{name}`, the batch size to "
+                f"start at. Received: min_batch_size={min_batch_size}, "
+                f"{name}={size}"
+            )

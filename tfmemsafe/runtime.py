@@ -1,4 +1,4 @@
-"""Runtime setup: GPU memory growth and the mixed-precision policy."""
+"""Runtime setup: GPU memory growth, the dtype policy, the CPU allocator."""
 
 from __future__ import annotations
 
@@ -9,18 +9,29 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import memory
+
 PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 
 # Tensor Cores, which make float16 matmuls and convolutions fast, arrived
 # with compute capability 7.0 (Volta).
 _MIN_MIXED_FLOAT16_CAPABILITY = (7, 0)
 
-ENV_AUTOCONFIGURE = "TFMEMSAFE_AUTOCONFIGURE"
-ENV_MEMORY_GROWTH = "TFMEMSAFE_MEMORY_GROWTH"
-ENV_PRECISION = "TFMEMSAFE_PRECISION"
+_ENV_AUTOCONFIGURE = "TFMEMSAFE_AUTOCONFIGURE"
+_ENV_MEMORY_GROWTH = "TFMEMSAFE_MEMORY_GROWTH"
+_ENV_PRECISION = "TFMEMSAFE_PRECISION"
+_ENV_CPU_BFC_ALLOCATOR = "TFMEMSAFE_CPU_BFC_ALLOCATOR"
 _BOOLEANS = {"1": True, "true": True, "0": False, "false": False}
 
+# TensorFlow's own variables, read when its CPU device is created.
+_TF_USE_BFC = "TF_CPU_ALLOCATOR_USE_BFC"
+_TF_BFC_LIMIT = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+
 _config: RuntimeConfig | None = None
+# The environment variables tfmemsafe set itself, with their values, so
+# that calling configure() again recognises them as its own.
+_environment_set: dict[str, str] = {}
+_warned_cpu_device_exists = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +44,13 @@ class RuntimeConfig:
         precision: The precision that was asked for (`"auto"` or a policy).
         dtype_policy: The name of the Keras dtype policy now in force.
         reason: Why that policy was chosen.
+        cpu_bfc_allocator: Whether TensorFlow's BFC allocator was requested
+            for the CPU.
+        cpu_allocator: The CPU allocator TensorFlow uses: `"bfc"`,
+            `"onednn"` (oneDNN's, BFC-based) or `"default"` (the one that
+            keeps no statistics, so CPU readings are the process's
+            resident memory).
+        cpu_allocator_reason: Why it is that one.
         warnings: What could not be done, and what to do about it.
     """
 
@@ -41,32 +59,47 @@ class RuntimeConfig:
     precision: str
     dtype_policy: str
     reason: str
+    cpu_bfc_allocator: bool
+    cpu_allocator: str
+    cpu_allocator_reason: str
     warnings: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         gpus = ", ".join(self.memory_growth_gpus) or "none"
         lines = [
             f"tfmemsafe: dtype policy {self.dtype_policy} ({self.reason}); "
-            f"memory growth on GPUs: {gpus}."
+            f"memory growth on GPUs: {gpus}; CPU allocator "
+            f"{self.cpu_allocator} ({self.cpu_allocator_reason})."
         ]
         lines += [f"tfmemsafe warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
 def configure(
-    memory_growth: bool = True, precision: str = "auto"
+    memory_growth: bool = True,
+    precision: str = "auto",
+    cpu_bfc_allocator: bool = True,
 ) -> RuntimeConfig:
-    """Turns on GPU memory growth and sets the Keras dtype policy.
+    """Turns on GPU memory growth, sets the dtype policy and CPU allocator.
 
     `import tfmemsafe` calls this once with defaults read from the
-    environment (`TFMEMSAFE_MEMORY_GROWTH`, `TFMEMSAFE_PRECISION`; set
-    `TFMEMSAFE_AUTOCONFIGURE=0` to skip it). Calling it again is safe: it
-    applies the settings again and returns a fresh report.
+    environment (`TFMEMSAFE_MEMORY_GROWTH`, `TFMEMSAFE_PRECISION`,
+    `TFMEMSAFE_CPU_BFC_ALLOCATOR`; set `TFMEMSAFE_AUTOCONFIGURE=0` to skip
+    it). Calling it again is safe: it applies the settings again and
+    returns a fresh report.
 
     With `precision="auto"` the policy is `mixed_float16` when every
     visible GPU has compute capability >= 7.0, and `float32` otherwise (on
     a CPU, float16 is slower and saves no memory). A policy other than
     `float32` that you set yourself before calling is kept.
+
+    TensorFlow's default CPU allocator keeps no statistics unless oneDNN is
+    on (TensorFlow turns it on by default only on CPUs with AVX-512
+    VNNI/BF16 or AMX). With `cpu_bfc_allocator=True`, `configure()` sets
+    `TF_CPU_ALLOCATOR_USE_BFC=true`, so `memory_info("CPU:0")` reads the
+    allocator on every CPU. This works only before TensorFlow's CPU device
+    exists (before the first op); later, the report says so. A value of
+    `TF_CPU_ALLOCATOR_USE_BFC` that you set yourself is kept.
 
     Args:
         memory_growth: bool. Whether to call
@@ -75,6 +108,10 @@ def configure(
             of it up front. Defaults to `True`.
         precision: str. One of `"auto"`, `"mixed_float16"`,
             `"mixed_bfloat16"` or `"float32"`. Defaults to `"auto"`.
+        cpu_bfc_allocator: bool. Whether to have TensorFlow use its BFC
+            allocator on the CPU, which keeps statistics. `False` undoes
+            what an earlier call set, if TensorFlow has not started yet.
+            Defaults to `True`.
 
     Returns:
         A `RuntimeConfig` saying what was done.
@@ -93,6 +130,11 @@ def configure(
             "`memory_growth` must be True or False. "
             f"Received: memory_growth={memory_growth!r}"
         )
+    if not isinstance(cpu_bfc_allocator, bool):
+        raise ValueError(
+            "`cpu_bfc_allocator` must be True or False. "
+            f"Received: cpu_bfc_allocator={cpu_bfc_allocator!r}"
+        )
     if precision not in PRECISIONS:
         raise ValueError(
             f"`precision` must be one of {', '.join(map(repr, PRECISIONS))}. "
@@ -103,12 +145,16 @@ def configure(
     grown = _set_memory_growth(gpus, warnings) if memory_growth else ()
     policy, reason = _choose_policy(precision, gpus)
     keras.config.set_dtype_policy(policy)
+    cpu_allocator, cpu_reason = _set_cpu_allocator(cpu_bfc_allocator, warnings)
     _config = RuntimeConfig(
         memory_growth=memory_growth,
         memory_growth_gpus=grown,
         precision=precision,
         dtype_policy=keras.config.dtype_policy().name,
         reason=reason,
+        cpu_bfc_allocator=cpu_bfc_allocator,
+        cpu_allocator=cpu_allocator,
+        cpu_allocator_reason=cpu_reason,
         warnings=tuple(warnings),
     )
     logging.info("%s", _config)
@@ -139,6 +185,91 @@ def _set_memory_growth(gpus, warnings: list[str]) -> tuple[str, ...]:
         else:
             grown.append(gpu.name)
     return tuple(grown)
+
+
+def _set_cpu_allocator(requested: bool, warnings: list[str]) -> tuple[str, str]:
+    """Sets or clears TF_CPU_ALLOCATOR_USE_BFC; returns (allocator, why)."""
+    global _warned_cpu_device_exists
+    value = os.environ.get(_TF_USE_BFC, "").strip()
+    ours = value != "" and _environment_set.get(_TF_USE_BFC) == value
+    if value and not ours:
+        use_bfc = value.lower() in ("true", "1")
+        return _allocator_in_use(use_bfc), (
+            f"{_TF_USE_BFC}={value} was set before tfmemsafe; kept"
+        )
+    if _cpu_device_exists():
+        if ours:
+            if not requested:
+                message = (
+                    "Could not stop using the BFC allocator on the CPU: "
+                    "TensorFlow's CPU device already exists."
+                )
+                warnings.append(message)
+                logging.warning("%s", message)
+            return "bfc", f"{_TF_USE_BFC}=true, set by tfmemsafe"
+        allocator = _allocator_in_use(False)
+        reason = "TensorFlow's CPU device already existed; left as it was"
+        if requested and allocator == "default":
+            message = (
+                "TensorFlow's CPU device was created before tfmemsafe could "
+                "choose its allocator; it keeps no statistics, so memory "
+                "readings on the CPU are the process's resident memory. "
+                "Import tfmemsafe before running any TensorFlow op, or set "
+                f"{_TF_USE_BFC}=true before starting Python."
+            )
+            warnings.append(message)
+            if not _warned_cpu_device_exists:
+                _warned_cpu_device_exists = True
+                logging.warning("%s", message)
+        return allocator, reason
+    if not requested:
+        for name, set_value in list(_environment_set.items()):
+            if os.environ.get(name) == set_value:
+                del os.environ[name]
+            del _environment_set[name]
+        return _allocator_in_use(False), "not requested"
+    _set_environment(_TF_USE_BFC, "true")
+    reason = f"{_TF_USE_BFC}=true, set by tfmemsafe"
+    if not os.environ.get(_TF_BFC_LIMIT, "").strip():
+        # TensorFlow reads an empty limit as 0 bytes, and crashes.
+        os.environ.pop(_TF_BFC_LIMIT, None)
+        machine = memory.machine_memory_bytes()
+        if machine and machine > memory.TF_BFC_DEFAULT_LIMIT_BYTES:
+            # TensorFlow's BFC allocator would otherwise stop at 64 GB.
+            _set_environment(_TF_BFC_LIMIT, str(machine // (1024 * 1024)))
+    limit = os.environ.get(_TF_BFC_LIMIT)
+    if limit is not None and _environment_set.get(_TF_BFC_LIMIT) == limit:
+        reason += f", and {_TF_BFC_LIMIT}={limit}"
+    return "bfc", reason
+
+
+def _set_environment(name: str, value: str) -> None:
+    os.environ[name] = value
+    _environment_set[name] = value
+
+
+def _allocator_in_use(use_bfc: bool) -> str:
+    if use_bfc:
+        return "bfc"
+    return "onednn" if _onednn_enabled() else "default"
+
+
+def _onednn_enabled() -> bool:
+    # TensorFlow has no public API for this; the flag follows
+    # TF_ENABLE_ONEDNN_OPTS and, when unset, the CPU's features.
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def _cpu_device_exists() -> bool:
+    """Whether TensorFlow's eager context, and so its CPU device, exists."""
+    # No public API tells this without creating the context
+    # (tf.config.list_logical_devices creates it).
+    from tensorflow.python.eager import context
+
+    current = context.context_safe()
+    return current is not None and bool(getattr(current, "_initialized", 0))
 
 
 def _choose_policy(precision: str, gpus) -> tuple[str, str]:
@@ -189,15 +320,22 @@ def configure_from_environment() -> RuntimeConfig | None:
     """
     global _config
     env_warnings = []
-    if not _read_env(ENV_AUTOCONFIGURE, _BOOLEANS, True, env_warnings):
+    if not _read_env(_ENV_AUTOCONFIGURE, _BOOLEANS, True, env_warnings):
         _config = None
-        logging.info("tfmemsafe: %s=0, runtime left as is.", ENV_AUTOCONFIGURE)
+        logging.info("tfmemsafe: %s=0, runtime left as is.", _ENV_AUTOCONFIGURE)
         return None
-    memory_growth = _read_env(ENV_MEMORY_GROWTH, _BOOLEANS, True, env_warnings)
+    memory_growth = _read_env(_ENV_MEMORY_GROWTH, _BOOLEANS, True, env_warnings)
     precision = _read_env(
-        ENV_PRECISION, {p: p for p in PRECISIONS}, "auto", env_warnings
+        _ENV_PRECISION, {p: p for p in PRECISIONS}, "auto", env_warnings
     )
-    config = configure(memory_growth=memory_growth, precision=precision)
+    cpu_bfc_allocator = _read_env(
+        _ENV_CPU_BFC_ALLOCATOR, _BOOLEANS, True, env_warnings
+    )
+    config = configure(
+        memory_growth=memory_growth,
+        precision=precision,
+        cpu_bfc_allocator=cpu_bfc_allocator,
+    )
     _config = dataclasses.replace(
         config, warnings=tuple(env_warnings) + config.warnings
     )

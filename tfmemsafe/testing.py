@@ -29,7 +29,7 @@ from typing import Any
 from tfmemsafe import _checks
 from tfmemsafe import _messages
 
-DEFAULT_TIMEOUT = 600
+_DEFAULT_TIMEOUT = 600
 _STDERR_TAIL_LINES = 30
 
 # The child's entry point. It imports nothing from TensorFlow or tfmemsafe
@@ -107,7 +107,7 @@ def run_with_memory_cap(
     args: Sequence = (),
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float = _DEFAULT_TIMEOUT,
     capture_output: bool = True,
 ) -> Any:
     """Runs a function or script in a fresh process with a capped CPU heap.
@@ -167,7 +167,7 @@ def run_in_subprocess(
     args: Sequence = (),
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float = _DEFAULT_TIMEOUT,
     capture_output: bool = True,
 ) -> Any:
     """Runs a function or script in a fresh Python process.
@@ -191,7 +191,7 @@ def run_workers(
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     worker_env: Sequence[Mapping[str, str]] | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float = _DEFAULT_TIMEOUT,
     return_exceptions: bool = False,
 ) -> list:
     """Runs a function as the workers of a local multi-worker cluster.

@@ -1,0 +1,201 @@
+"""What an out-of-memory error late in an epoch costs, side by side.
+
+Under a memory cap (TensorFlow's BFC allocator on the CPU limited to
+`--cap_mb`, so running out raises a real `ResourceExhaustedError`), trains
+one epoch of `--steps` steps of a small conv net (3x3 convolutions of 8
+channels, BatchNormalization, global pooling) on a pipeline whose images
+grow from 24x24 to `--large` pixels at step N/2 or 3N/4, so that batch
+`--batch_size` runs out there and half of it fits:
+
+- `epoch replay`: `tfmemsafe.fit` as it was before issue #15: the epoch's
+  saved state is put back and the epoch starts again at half the batch
+  (forced here by refusing to resume).
+- `resume at step`: `tfmemsafe.fit`: training goes on at the failed step,
+  at half the batch with twice the accumulation steps.
+- `model.fit`: Keras at the size that fits, from the start (no error).
+
+Each run is a fresh process under the same cap, one after the other.
+Wall time and the process's CPU time are given; the cost of an error is
+the difference from `model.fit` minus the allocator's wait (measured once:
+one failing allocation, which TensorFlow's BFC allocator, like the GPU's,
+spends about ten seconds waiting for memory to be freed).
+
+It also times the host copy of every variable that `tfmemsafe.fit` takes
+at the start of each epoch, for a 25M-parameter model with Adam.
+
+Example:
+    python benchmarks/resume.py --steps=40
+"""
+
+import time
+
+from absl import app
+from absl import flags
+
+_STEPS = flags.DEFINE_integer("steps", 40, "Steps per epoch (N).")
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", 32, "The batch size that runs out on large images."
+)
+_LARGE = flags.DEFINE_integer("large", 96, "Side of the large images.")
+_CAP_MB = flags.DEFINE_integer("cap_mb", 80, "The allocator's limit in MB.")
+
+VARIANTS = ("epoch replay", "resume at step", "model.fit")
+
+
+def run(variant, steps, batch_size, large, grow_fraction):
+    """One variant in this (capped) process; returns its timings."""
+    import keras
+    import tensorflow as tf
+
+    import tfmemsafe
+    from tfmemsafe import recovery
+
+    rows = steps * batch_size
+    grow_at = int(rows * grow_fraction)
+
+    def make(ids):
+        size = tf.where(ids[0] >= grow_at, large, 24)
+        grid = tf.cast(tf.range(size), tf.float32)
+        images = tf.sin(
+            tf.cast(ids, tf.float32)[:, None, None, None] * 0.01
+            + grid[None, :, None, None] * 0.1
+            + grid[None, None, :, None] * 0.07
+            + tf.constant([0.0, 1.0, 2.0])
+        )
+        return images, ids % 4
+
+    def data(size):
+        ids = tf.data.Dataset.range(rows).map(lambda i: tf.cast(i, tf.int32))
+        return ids.batch(size).map(make)
+
+    keras.utils.set_random_seed(0)
+    model = tfmemsafe.AccumulatingModel(*_layers(keras), accumulation_steps=1)
+    model.compile(
+        "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    if variant == "epoch replay":
+
+        def refuse(self, size):
+            self.resume_refusal = "benchmark: epoch replay"
+            return False
+
+        recovery._FitRun._can_resume = refuse  # The behaviour before #15.
+    wall, cpu = time.perf_counter(), time.process_time()
+    if variant == "model.fit":
+        model.accumulation_steps = 2
+        model.fit(data(batch_size // 2), epochs=1, verbose=0)
+        events = []
+    else:
+        history = tfmemsafe.fit(
+            model, data, batch_size=batch_size, epochs=1, verbose=0
+        )
+        events = history.oom_events
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "ooms": len(events),
+        "iterations": int(model.optimizer.iterations),
+        "steps_at": [e.step for e in events],
+    }
+
+
+def _layers(keras):
+    inputs = keras.Input((None, None, 3))
+    hidden = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(
+        inputs
+    )
+    hidden = keras.layers.BatchNormalization()(hidden)
+    hidden = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(
+        hidden
+    )
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    return inputs, keras.layers.Dense(4)(hidden)
+
+
+def allocator_wait():
+    """Seconds one failing allocation takes (in a capped process)."""
+    import tensorflow as tf
+
+    start = time.perf_counter()
+    try:
+        tf.zeros((2**30,))  # 4 GB: far beyond the cap.
+    except tf.errors.ResourceExhaustedError:
+        pass
+    return time.perf_counter() - start
+
+
+def snapshot_seconds(parameters=25_000_000):
+    """The epoch-start host copy for a model of `parameters` with Adam."""
+    import keras
+
+    from tfmemsafe._resume import Snapshot
+
+    width = 5000
+    model = keras.Sequential(
+        [keras.Input((width,)), keras.layers.Dense(parameters // width)]
+    )
+    model.compile("adam", "mse")
+    model.optimizer.build(model.trainable_variables)
+    Snapshot(model)  # Warm-up.
+    start = time.perf_counter()
+    snapshot = Snapshot(model)
+    taken = time.perf_counter() - start
+    start = time.perf_counter()
+    snapshot.restore()
+    return model.count_params(), taken, time.perf_counter() - start
+
+
+def main(argv):
+    del argv  # Unused.
+    from tfmemsafe import testing
+
+    cap = _CAP_MB.value
+    wait = testing.run_with_memory_cap(allocator_wait, cap)
+    rows = []
+    for fraction in (0.5, 0.75):
+        results = {}
+        for variant in VARIANTS:
+            results[variant] = testing.run_with_memory_cap(
+                run,
+                cap,
+                args=[
+                    variant,
+                    _STEPS.value,
+                    _BATCH_SIZE.value,
+                    _LARGE.value,
+                    fraction,
+                ],
+            )
+        base = results["model.fit"]
+        for variant, result in results.items():
+            extra = result["wall"] - base["wall"] - result["ooms"] * wait
+            rows.append(
+                (fraction, variant, result, extra, result["cpu"] / base["cpu"])
+            )
+    step = None
+    print(
+        f"N={_STEPS.value} steps at batch {_BATCH_SIZE.value}, cap {cap} MB; "
+        f"one failing allocation waited {wait:.1f} s.\n"
+    )
+    print(
+        "| OOM at | variant | OOMs | iterations | wall s | CPU s | "
+        "CPU vs model.fit | wall beyond model.fit and the waits s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for fraction, variant, result, extra, cpu_ratio in rows:
+        step = int(fraction * _STEPS.value)
+        print(
+            f"| step {step} of {_STEPS.value} | {variant} | {result['ooms']} "
+            f"| {result['iterations']} | {result['wall']:.1f} | "
+            f"{result['cpu']:.1f} | {cpu_ratio:.2f} | {extra:.1f} |"
+        )
+    parameters, taken, restored = snapshot_seconds()
+    print(
+        f"\nEpoch-start host copy of {parameters / 1e6:.0f}M parameters and "
+        f"Adam's state: {taken:.2f} s to take, {restored:.2f} s to put back."
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

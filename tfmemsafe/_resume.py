@@ -1,0 +1,381 @@
+"""What lets a run go on after an out-of-memory error.
+
+For `fit`: `Snapshot` (host copies of the model's and optimizers' state),
+`EpochStart` (the snapshot each epoch starts with), `Position` (where
+training is, to resume at the failed step), `ResumableCallbackList`
+(several `model.fit` calls seen by the callbacks as one run) and
+`forget_epoch`. For
+`predict`: `PredictionProgress` (the rows finished before a failure).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from absl import logging
+
+from tfmemsafe._sources import num_rows
+from tfmemsafe.gradient_accumulator import GradientAccumulator
+
+
+class Snapshot:
+    """Host copies of a model's variables and its optimizers', to put back.
+
+    The optimizers are the compiled one and any the model holds as
+    attributes (a GAN's `generator_optimizer`, say). Copies are per
+    variable, so under `tf.distribute` a mirrored variable is read once
+    and assigned back to every replica.
+    """
+
+    def __init__(self, model: keras.Model):
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # Its variables must exist to be saved (and restored to zeros).
+            # Only the compiled optimizer is known to update exactly the
+            # model's trainable variables; others are saved as they are.
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        optimizers = optimizers_of(model)
+        variables = list(model.variables)
+        for each in optimizers:
+            variables += each.variables
+        self.model = model
+        self.unbuilt = [each for each in optimizers if not each.built]
+        self.variables = list({id(v): v for v in variables}.values())
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)
+        for optimizer in self.unbuilt:
+            if optimizer.built:
+                logging.warning(
+                    "tfmemsafe: optimizer %r of %s was built after its "
+                    "state was saved, so what it gathered since (such as "
+                    "Adam's moments) is kept, not rewound. Build it in "
+                    "`compile`.",
+                    optimizer.name,
+                    self.model.name,
+                )
+        self.unbuilt = [each for each in self.unbuilt if not each.built]
+        # An `AccumulatingModel`'s partial window is state too; at the start
+        # of an epoch it is empty.
+        for accumulator in gradient_accumulators_of(self.model):
+            accumulator.reset()
+
+
+class EpochStart(keras.callbacks.Callback):
+    """Keeps the state the current epoch started with, to go back to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.snapshot = None
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # A retry starts at the epoch it has just restored: no new copy.
+        if epoch != self.epoch:
+            self.snapshot = Snapshot(self.model)
+            self.epoch = epoch
+
+    def restore(self) -> None:
+        """Puts back the state of the start of the epoch, if one began."""
+        if self.snapshot is not None:
+            self.snapshot.restore()
+
+
+class Position(keras.callbacks.Callback):
+    """Knows where training is, and keeps what resuming there needs.
+
+    It counts the steps and samples done in the epoch (and in its
+    validation) across `model.fit` calls; before each step it has the
+    `StepGuard` copy the small state the step can change; after a failure
+    it holds the metric values to carry into the resumed call.
+
+    Attributes:
+        epoch: int. The current epoch, counted from 0.
+        step: int. The batch within the epoch or within its validation.
+        phase: str. `"training"` or `"validation"`.
+        epoch_end_keys: tuple of str. The keys of the logs of the current
+            epoch's `on_epoch_end`, once it has run.
+        ending: bool. Whether the epoch's `on_epoch_end` has begun.
+        steps_done, samples_done: int. Training steps and samples done in
+            the epoch.
+        validation_steps_done, validation_samples_done: int. The same for
+            its validation.
+        train_logs: dict. The epoch's training logs, once validation began.
+        last_logs: dict or `None`. The latest step's or epoch's logs.
+    """
+
+    def __init__(self, initial_epoch: int, guard):
+        super().__init__()
+        self.guard = guard
+        self.epoch = initial_epoch
+        self.step = 0
+        self.phase = "training"
+        self.epoch_end_keys = ()
+        self.ending = False
+        self.steps_done = self.samples_done = 0
+        self.validation_steps_done = self.validation_samples_done = 0
+        self.train_logs = {}
+        self.last_logs = None
+        self._start = (0, 0, None)  # Steps, samples, batch size.
+        self._validation_start = (0, 0, None)
+        self._resuming = self._resuming_validation = False
+        self._carried = None
+
+    def start_epoch(self, skip: int, batch_size: int) -> None:
+        """Before each `model.fit` call: it trains from sample `skip`."""
+        self._resuming = bool(skip)
+        if not skip:
+            self.steps_done = self.samples_done = 0
+        self._start = (self.steps_done, self.samples_done, batch_size)
+
+    def start_validation(self, skip: int, batch_size: int | None) -> None:
+        """Before a validation: it goes from sample `skip`."""
+        self._resuming_validation = bool(skip)
+        if not skip:
+            self.validation_steps_done = self.validation_samples_done = 0
+        self._validation_start = (
+            self.validation_steps_done,
+            self.validation_samples_done,
+            batch_size,
+        )
+
+    def carry_metrics(self) -> None:
+        """Keeps the metric values, to put back in the resumed call."""
+        self._carried = self.guard.metric_values()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch, self.step, self.phase = epoch, self.steps_done, "training"
+        self.ending = False
+        if self._resuming:
+            # Keras has just reset the metrics: those of the steps done.
+            self.guard.set_metric_values(self._carried)
+        else:
+            self.epoch_end_keys = ()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.step = batch
+        self.guard.save_small_state()
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps, samples, size = self._start
+        self.steps_done = batch + 1
+        self.samples_done = samples + (batch + 1 - steps) * size
+        self.last_logs = logs
+
+    def on_test_begin(self, logs=None):
+        self.phase, self.step = "validation", 0
+        if self._resuming_validation:
+            return
+        # Keras' epoch logs are the last step's running metrics.
+        self.train_logs = {
+            name: float(value) for name, value in (self.last_logs or {}).items()
+        }
+        self.start_validation(0, self._validation_start[2])
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.step = batch
+        if self._resuming_validation:
+            # `evaluate` reset the metrics after `on_test_begin`.
+            self.guard.set_metric_values(self._carried)
+            self._resuming_validation = False
+        self.guard.save_small_state()
+
+    def on_test_batch_end(self, batch, logs=None):
+        steps, samples, size = self._validation_start
+        self.validation_steps_done = batch + 1
+        self.validation_samples_done = samples + (batch + 1 - steps) * (
+            size or 0
+        )
+
+    def on_test_end(self, logs=None):
+        self.phase = "training"
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.ending = True
+        self.epoch_end_keys = tuple(logs or ())
+        self.last_logs = logs
+
+    def abandon_attempt(self) -> None:
+        """A failed validation never reached `on_test_end`: training next."""
+        self.phase = "training"
+
+
+class ResumableCallbackList(keras.callbacks.CallbackList):
+    """A `CallbackList` that makes several `model.fit` calls one run.
+
+    Each callback gets `on_train_begin` once, at the start, and
+    `on_train_end` once, at the end (`end_run`), so what callbacks reset
+    there (`EarlyStopping`'s patience, `CSVLogger`'s file, `History.epoch`,
+    `TensorBoard`'s step) carries on across epochs and retries. An epoch,
+    or a validation, resumed at step k is one to them: no second
+    `on_epoch_begin` (or `on_test_begin`), and batch indices that go on
+    from k. A callback that a model's own `fit` adds on each call
+    (`AccumulatingModel` does) gets its own `on_train_begin` and
+    `on_train_end`, and is dropped after its call.
+    """
+
+    def __init__(self, callbacks, **kwargs):
+        super().__init__(callbacks, **kwargs)
+        self._own = list(self.callbacks)
+        self._position = next(c for c in self._own if isinstance(c, Position))
+        self._started = set()
+        self._resumed_epoch = None
+        self._offset = self._validation_offset = 0
+
+    def _added(self) -> list:
+        own = {id(c) for c in self._own}
+        return [c for c in self.callbacks if id(c) not in own]
+
+    def on_train_begin(self, logs=None):
+        if not self._started:
+            super().on_train_begin(logs)
+        else:
+            for callback in self.callbacks:
+                if id(callback) not in self._started:
+                    callback.on_train_begin(logs)
+        self._started.update(id(c) for c in self.callbacks)
+
+    def on_train_end(self, logs=None):
+        # The end of one `model.fit` call, not of the run.
+        for callback in self._added():
+            callback.on_train_end(logs)
+
+    def end_run(self, logs=None) -> None:
+        """`on_train_end` for every callback: the run is over."""
+        super().on_train_end(logs)
+
+    def resume_at(self, epoch: int | None, offset: int = 0) -> None:
+        """Makes the next call's `epoch` go on from batch `offset`."""
+        self._resumed_epoch = epoch
+        self._offset = offset if epoch is not None else 0
+
+    def resume_validation_at(self, offset: int) -> None:
+        """Makes the next `evaluate` call go on from batch `offset`."""
+        self._validation_offset = offset
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self._resumed_epoch:
+            # The callbacks saw this epoch begin; only its position resumes.
+            self._position.on_epoch_begin(epoch, logs)
+            return
+        super().on_epoch_begin(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch + self._offset, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch + self._offset, logs)
+
+    def on_test_begin(self, logs=None):
+        if self._validation_offset:
+            self._on_begin()  # Keras' count of open begin/end blocks.
+            self._position.on_test_begin(logs)  # The others saw it begin.
+            return
+        super().on_test_begin(logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        super().on_test_batch_begin(batch + self._validation_offset, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        super().on_test_batch_end(batch + self._validation_offset, logs)
+
+    def end_call(self) -> None:
+        """Drops what one `model.fit` or `evaluate` call added."""
+        # Keras may run `on_train_batch_end` in a thread pool: let the
+        # call's hooks finish before anything is restored. Keras'
+        # `CallbackList` has no public way to wait for them.
+        flush = getattr(self, "_flush_futures", None)
+        if flush is not None:
+            flush()
+        own = {id(c) for c in self._own}
+        self.callbacks = [c for c in self.callbacks if id(c) in own]
+        # The dropped callbacks' ids may be reused by new objects.
+        self._started &= own
+        self._resumed_epoch = None
+        self._offset = self._validation_offset = 0
+
+    def abandon_attempt(self) -> None:
+        """Forgets what the failed attempt left behind."""
+        self.end_call()
+        # A failed validation opened a test block that never closed; only
+        # the training block is open.
+        if hasattr(self, "_in_begin_end_block_count"):
+            self._in_begin_end_block_count = 1
+
+
+def forget_epoch(history: keras.callbacks.History, epoch: int, keys) -> None:
+    """Drops `epoch` from `history` if it recorded it before failing."""
+    if getattr(history, "epoch", None) and history.epoch[-1] >= epoch:
+        history.epoch.pop()
+        for key in keys:
+            if history.history.get(key):
+                history.history[key].pop()
+
+
+class PredictionProgress(keras.callbacks.Callback):
+    """The rows `predict` has finished, kept across its attempts.
+
+    Attributes:
+        batches: list. The outputs of the current attempt's batches.
+        finished: list. Host copies of the outputs of earlier attempts'
+            finished batches, in order.
+        rows_done: int. The number of rows in `finished`.
+        ended: bool. Whether the current attempt predicted every batch.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+        self.finished = []
+        self.rows_done = 0
+        self.ended = False
+
+    def on_predict_begin(self, logs=None):
+        self.batches = []
+        self.ended = False
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.batches.append(logs["outputs"])
+
+    def on_predict_end(self, logs=None):
+        self.ended = True
+
+    def keep_finished(self) -> None:
+        """Moves a failed attempt's finished batches to `finished`."""
+        # Host copies, so the device memory of the finished batches is free.
+        kept = [keras.tree.map_structure(np.asarray, o) for o in self.batches]
+        self.batches = []
+        self.rows_done += sum(num_rows(o) for o in kept)
+        self.finished.extend(kept)
+
+    def all_outputs(self, last=None):
+        """The finished outputs, then `last` (the final attempt's)."""
+        if last is None:
+            return _concatenate(self.finished)
+        if not self.finished:
+            return last
+        return _concatenate([*self.finished, last])
+
+
+def _concatenate(batches: list):
+    return keras.tree.map_structure(
+        lambda *parts: np.concatenate(parts, axis=0), *batches
+    )
+
+
+def gradient_accumulators_of(model) -> list:
+    return [
+        value
+        for value in vars(model).values()
+        if isinstance(value, GradientAccumulator)
+    ]
+
+
+def optimizers_of(model) -> list:
+    """The compiled optimizer and those the model holds as attributes."""
+    found = [model.optimizer, *vars(model).values()]
+    optimizers = [o for o in found if isinstance(o, keras.optimizers.Optimizer)]
+    return list({id(o): o for o in optimizers}.values())

@@ -1,0 +1,397 @@
+"""The user's data, one class per kind, at any batch size.
+
+`fit`, `evaluate`, `predict` and `find_max_batch_size` take arrays, an
+unbatched `tf.data.Dataset`, a batched one, or a callable
+`batch_size -> tf.data.Dataset`. `source_for` picks the class for the data
+it is given; every class answers the same questions: the arguments for
+`model.fit`, `evaluate` and `predict` at a batch size, the validation
+arguments, the arguments of a short trial, the sample count, inputs to
+build the model with, and the number of batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tfmemsafe import _checks
+
+# Keras' default batch size, used for arrays and unbatched datasets.
+DEFAULT_BATCH_SIZE = 32
+# `tf.data` transformations that batch or unbatch their input, by class.
+_BATCHING = (
+    "_BatchDataset",
+    "_PaddedBatchDataset",
+    "_ParallelBatchDataset",
+    "_RebatchDataset",
+)
+_UNBATCHING = ("_UnbatchDataset",)
+
+
+def source_for(data, argument: str, *, labelled: bool) -> Source:
+    """The source for `data`, passed as `argument`.
+
+    Args:
+        data: The user's data.
+        argument: str. The name the user passed it as, for messages.
+        labelled: bool. Whether arrays come as `(x, y[, sample_weight])`
+            (training and evaluation) rather than inputs alone (predict).
+
+    Raises:
+        TypeError: If `data` is of no accepted kind.
+    """
+    if isinstance(data, tf.data.Dataset):
+        batched, batch_size = _batching_of(data)
+        if batched:
+            return BatchedDataset(data, argument, batch_size)
+        return UnbatchedDataset(data, argument)
+    if callable(data):
+        return DatasetCallable(data, argument)
+    if labelled and _is_labelled_arrays(data):
+        return Arrays(data, argument, labelled=True)
+    if not labelled and _is_arrays(data):
+        return Arrays(data, argument, labelled=False)
+    arrays = "(x, y) or (x, y, sample_weight)" if labelled else "x"
+    raise TypeError(
+        f"`{argument}` must be a callable `batch_size -> "
+        "tf.data.Dataset`, a tf.data.Dataset, or arrays "
+        f"{arrays}. Received: {argument}={data!r:.80} of type "
+        f"{type(data).__name__}"
+    )
+
+
+def num_rows(structure) -> int:
+    """The length of the first dimension of a structure's first array."""
+    return int(keras.tree.flatten(structure)[0].shape[0])
+
+
+class Source:
+    """Data of one kind, at any batch size: the questions each kind answers.
+
+    Attributes:
+        data: The user's data, as given.
+        argument: str. The name it was passed as, for messages.
+        batch_size: int or `None`. The size a batched dataset comes in;
+            `None` for the other kinds, or when it cannot be read.
+    """
+
+    def __init__(self, data, argument: str, batch_size: int | None = None):
+        self.data = data
+        self.argument = argument
+        self.batch_size = batch_size
+
+    def resolve_batch_size(self, batch_size: int | None) -> int:
+        """The `batch_size` argument, or this data's default for `None`."""
+        if batch_size is None:
+            return self.default_batch_size()
+        return _checks.integer("batch_size", batch_size, 1)
+
+    def default_batch_size(self) -> int:
+        return DEFAULT_BATCH_SIZE
+
+    @property
+    def num_samples(self) -> int | None:
+        """The number of samples, if known without reading the data."""
+        return None
+
+    def fit_defaults(self) -> dict:
+        """`model.fit` arguments that the user's own override."""
+        # Keras ignores `shuffle` for datasets, and warns when it is left at
+        # its default, True.
+        return {"shuffle": False}
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        """The data as a dataset of batches of `batch_size`."""
+        raise NotImplementedError
+
+    def position_is_reproducible(self, batch_size: int) -> bool:
+        """Whether the data gives the same samples in the same order again.
+
+        A dataset does unless it reshuffles at each iteration, or lets
+        `tf.data` trade order for speed.
+        """
+        return _is_deterministic(self.data)
+
+    def keras_arguments(
+        self, batch_size: int, skip: int = 0, order=None
+    ) -> dict:
+        """Arguments for `model.fit/evaluate/predict`, from sample `skip`.
+
+        `order`, for arrays, is the permutation of the rows to go through.
+        """
+        dataset = self.dataset(batch_size)
+        if skip and skip % batch_size == 0:
+            dataset = dataset.skip(skip // batch_size)
+        elif skip:
+            dataset = dataset.unbatch().skip(skip).batch(batch_size)
+        return {"x": dataset}
+
+    def validation_arguments(self, batch_size: int) -> dict:
+        """`model.fit` arguments that validate on this data."""
+        return {"validation_data": self.dataset(batch_size)}
+
+    def trial_arguments(self, batch_size: int, steps: int) -> dict:
+        """Arguments for `model.fit` to train `steps` full batches."""
+        return {
+            "x": self.dataset(batch_size, repeat=True).take(steps),
+            "shuffle": False,
+        }
+
+    def num_batches(self, arguments: dict) -> int | None:
+        """The batches per epoch of `keras_arguments`, if known."""
+        cardinality = int(arguments["x"].cardinality())
+        return cardinality if cardinality >= 0 else None
+
+    def sample_inputs(self):
+        """The inputs of one sample, as a batch of one, to build a model."""
+        batch = next(iter(self.dataset(1).take(1)))
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        return x
+
+
+class Arrays(Source):
+    """Arrays: `(x, y[, sample_weight])`, or the inputs `x` alone."""
+
+    def __init__(self, data, argument: str, *, labelled: bool):
+        super().__init__(data, argument)
+        self.labelled = labelled
+        if labelled:
+            self.x, self.y, self.sample_weight = (*data, None)[:3]
+        else:
+            self.x, self.y, self.sample_weight = data, None, None
+
+    @property
+    def num_samples(self) -> int:
+        return num_rows(self.x)
+
+    def fit_defaults(self) -> dict:
+        return {}  # Keras shuffles arrays by default; so do we.
+
+    def position_is_reproducible(self, batch_size: int) -> bool:
+        return True  # tfmemsafe.fit owns the order of arrays.
+
+    def keras_arguments(
+        self, batch_size: int, skip: int = 0, order=None
+    ) -> dict:
+        def rows(part):
+            if part is None:
+                return None
+            return keras.tree.map_structure(
+                lambda a: (a if order is None else a[order])[skip:], part
+            )
+
+        if not self.labelled:
+            return {"x": rows(self.x), "batch_size": batch_size}
+        return {
+            "x": rows(self.x),
+            "y": rows(self.y),
+            "sample_weight": rows(self.sample_weight),
+            "batch_size": batch_size,
+        }
+
+    def split(self, fraction: float) -> tuple[Arrays, Arrays]:
+        """Split as Keras' `validation_split` does: the last rows."""
+        cut = int(math.floor(self.num_samples * (1.0 - fraction)))
+
+        def part(rows):
+            return tuple(
+                None
+                if p is None
+                else keras.tree.map_structure(lambda a: a[rows], p)
+                for p in (self.x, self.y, self.sample_weight)
+            )
+
+        return (
+            Arrays(part(slice(None, cut)), self.argument, labelled=True),
+            Arrays(part(slice(cut, None)), self.argument, labelled=True),
+        )
+
+    def validation_arguments(self, batch_size: int) -> dict:
+        return {
+            "validation_data": tuple(self.data),
+            "validation_batch_size": batch_size,
+        }
+
+    def trial_arguments(self, batch_size: int, steps: int) -> dict:
+        # The whole arrays are passed, not a slice: Keras holds them in
+        # device memory, and the trial must need what training will.
+        arguments = self.keras_arguments(batch_size)
+        arguments.update(shuffle=False, steps_per_epoch=steps)
+        return arguments
+
+    def num_batches(self, arguments: dict) -> int:
+        split = arguments.get("validation_split") or 0.0
+        rows = num_rows(arguments["x"])  # The rest, when resumed.
+        rows = math.floor(rows * (1.0 - split))
+        return math.ceil(rows / arguments["batch_size"])
+
+    def sample_inputs(self):
+        return keras.tree.map_structure(lambda a: a[:1], self.x)
+
+
+class UnbatchedDataset(Source):
+    """A `tf.data.Dataset` of single samples: batched and prefetched here."""
+
+    @property
+    def num_samples(self) -> int | None:
+        cardinality = int(self.data.cardinality())
+        return cardinality if cardinality >= 0 else None
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        dataset = self.data.repeat() if repeat else self.data
+        return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+class BatchedDataset(Source):
+    """A `tf.data.Dataset` of batches: rebatched at other sizes."""
+
+    def default_batch_size(self) -> int:
+        if self.batch_size is None:
+            raise ValueError(
+                "`batch_size` is required: the batch size of "
+                f"`{self.argument}` could not be read from its "
+                "pipeline. Received: batch_size=None"
+            )
+        return self.batch_size
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        if batch_size == self.batch_size and not repeat:
+            return self.data  # The user's pipeline, as it is.
+        dataset = self.data.repeat() if repeat else self.data
+        dataset = dataset.rebatch(batch_size)
+        rows = None if repeat else _rows_of_batched(self.data)
+        if rows is not None:
+            # `rebatch` hides the length; Keras shows it in the progress
+            # bar and ends the epoch by it.
+            dataset = dataset.apply(
+                tf.data.experimental.assert_cardinality(
+                    math.ceil(rows / batch_size)
+                )
+            )
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+class DatasetCallable(Source):
+    """A callable `batch_size -> tf.data.Dataset`: the user's pipeline."""
+
+    def default_batch_size(self) -> int:
+        raise ValueError(
+            f"`batch_size` is required when `{self.argument}` is a "
+            "callable: it is the size your pipeline is built at. "
+            "Received: batch_size=None"
+        )
+
+    def position_is_reproducible(self, batch_size: int) -> bool:
+        # A shuffle is only the same in a new pipeline if its seeds are the
+        # user's, not drawn anew at each build or when it runs.
+        first, second = (self.dataset(batch_size) for _ in range(2))
+        seeds = _shuffle_seeds(first)
+        return (
+            _is_deterministic(first)
+            and seeds == _shuffle_seeds(second)
+            and (0, 0) not in seeds
+        )
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        dataset = self.data(batch_size)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"`{self.argument}` must return a tf.data.Dataset when "
+                f"called with a batch size. Received: "
+                f"{self.argument}({batch_size}) = {dataset!r:.80}"
+            )
+        return dataset.repeat() if repeat else dataset
+
+
+def _batching_of(dataset) -> tuple[bool, int | None]:
+    """Whether a dataset's pipeline batches, and the batch size if known."""
+    node = dataset
+    while node is not None:
+        name = type(node).__name__
+        if name in _BATCHING:
+            size = getattr(node, "_batch_size", None)
+            try:
+                return True, int(size) if size is not None else None
+            except TypeError:
+                return True, None
+        if name in _UNBATCHING:
+            return False, None
+        inputs = getattr(node, "_datasets", None)  # zip and similar
+        if inputs:
+            found = [_batching_of(d) for d in tf.nest.flatten(inputs)]
+            sizes = {size for _, size in found}
+            batched = all(b for b, _ in found)
+            return batched, sizes.pop() if batched and len(sizes) == 1 else None
+        node = getattr(node, "_input_dataset", None)
+    return False, None
+
+
+def _rows_of_batched(dataset) -> int | None:
+    """The samples of a batched dataset, when its pipeline tells them.
+
+    They are the length of what its `batch` batches, if that is known and
+    the batches count matches it (no `filter` after the batching, say).
+    """
+    batches = int(dataset.cardinality())
+    for node in _dataset_nodes(dataset):
+        if type(node).__name__ != "_BatchDataset":
+            continue
+        rows = int(node._input_dataset.cardinality())  # noqa: SLF001
+        size = int(node._batch_size)  # noqa: SLF001
+        drop = bool(node._drop_remainder)  # noqa: SLF001
+        if rows < 0 or drop:
+            return None
+        return rows if math.ceil(rows / size) == batches else None
+    return None
+
+
+def _is_deterministic(dataset) -> bool:
+    """Whether a dataset's order is the same at each new iteration."""
+    if dataset.options().deterministic is False:
+        return False
+    # A shuffle that reshuffles gives a new order at each iteration.
+    return not any(
+        getattr(node, "_reshuffle_each_iteration", True)
+        for node in _dataset_nodes(dataset)
+        if type(node).__name__ == "_ShuffleDataset"
+    )
+
+
+def _shuffle_seeds(dataset) -> list:
+    return [
+        (int(node._seed), int(node._seed2))  # noqa: SLF001
+        for node in _dataset_nodes(dataset)
+        if type(node).__name__ == "_ShuffleDataset"
+    ]
+
+
+def _dataset_nodes(dataset):
+    """The transformations of a pipeline, from the last to the sources."""
+    # tf.data has no public graph walk: `_input_dataset` and `_datasets`
+    # are the attributes `_batching_of` reads too.
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        yield node
+        inputs = getattr(node, "_datasets", None)
+        if inputs:
+            pending.extend(tf.nest.flatten(inputs))
+        parent = getattr(node, "_input_dataset", None)
+        if parent is not None:
+            pending.append(parent)
+
+
+def _is_arrays(x) -> bool:
+    leaves = keras.tree.flatten(x)
+    return bool(leaves) and all(hasattr(leaf, "shape") for leaf in leaves)
+
+
+def _is_labelled_arrays(data) -> bool:
+    return (
+        isinstance(data, (tuple, list))
+        and len(data) in (2, 3)
+        and _is_arrays(data[0])
+        and all(part is None or _is_arrays(part) for part in data[1:])
+    )

@@ -1,0 +1,169 @@
+"""What a training step that runs out of memory can have changed.
+
+In a `tf.function` TensorFlow runs each op as soon as its inputs are
+ready; ops on different variables are not ordered. So in a step that runs
+out of memory during backpropagation, the last layer's optimizer update
+(its gradients come first) may already have run, and the optimizer's
+`iterations.assign_add(1)`, which needs no gradient at all, may have run
+even when no data came (Keras' extra call at the end of a dataset of
+unknown length: issue #16.1). Metric updates and BatchNormalization's
+moving statistics run in the forward pass, before any gradient.
+
+`StepGuard`, installed for one `tfmemsafe.fit` call, makes that knowable:
+
+- A barrier: every optimizer's `apply` and every `GradientAccumulator`'s
+  `accumulate` waits until all of its gradients exist, and every op it
+  creates (the `iterations` increment included) depends on them. An out of
+  memory error in the forward or backward pass then leaves the trainable
+  variables, the optimizers' variables and the accumulation windows
+  untouched, and a step without data changes nothing.
+- A marker: the barrier also sets a flag variable before the first update
+  of a step. After an error, `touched()` says whether any update began; a
+  step that failed inside `apply` itself is the one case where the epoch
+  snapshot has to be put back.
+- A device-side copy of the small state a forward pass changes (metric
+  variables, the non-trainable variables of trainable layers such as
+  moving statistics, random seed states), taken before each step by
+  `save_small_state()` and put back by `restore_small_state()`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+import tensorflow as tf
+
+
+class StepGuard:
+    """The barrier, the marker and the small-state copy of one model.
+
+    Args:
+        model: The `keras.Model` being trained.
+        optimizers: The optimizers whose `apply` gets the barrier.
+        accumulators: The `GradientAccumulator`s whose `accumulate` gets it.
+    """
+
+    def __init__(self, model, optimizers, accumulators):
+        self.model = model
+        self._patched = []
+        with tf.init_scope():
+            self._touched = tf.Variable(False, trainable=False)
+        for optimizer in optimizers:
+            self._patch(optimizer, "apply")
+        for accumulator in accumulators:
+            self._patch(accumulator, "accumulate")
+        self._small = _small_state(model)
+        with tf.init_scope():
+            self._copies = [
+                tf.Variable(
+                    tf.zeros(v.shape, v.dtype), trainable=False, name="copy"
+                )
+                for v in self._small
+            ]
+        self._save = tf.function(self._save_eagerly)
+        self._restore = tf.function(self._restore_eagerly)
+
+    def _patch(self, owner, name):
+        original = getattr(owner, name)
+        guard = self
+
+        @functools.wraps(original)
+        def guarded(gradients, *args, **kwargs):
+            gradients = list(gradients)
+            present = [g for g in gradients if g is not None]
+            if not tf.inside_function() or not present:
+                guard._touched.assign(True)
+                return original(gradients, *args, **kwargs)
+            # One op over every gradient: nothing after it starts before
+            # the whole backward pass is done.
+            flat = tf.identity_n([_dense(g) for g in present])
+            ready = iter(flat)
+            gradients = [
+                None if g is None else _like(g, next(ready)) for g in gradients
+            ]
+            with tf.control_dependencies(flat):
+                mark = guard._touched.assign(True)
+            with tf.control_dependencies([mark]):
+                return original(gradients, *args, **kwargs)
+
+        # An instance attribute, so only this object and only this run.
+        vars(owner)[name] = guarded
+        self._patched.append((owner, name))
+
+    def close(self) -> None:
+        """Removes the barrier."""
+        for owner, name in self._patched:
+            vars(owner).pop(name, None)
+        self._patched = []
+
+    def _save_eagerly(self):
+        for copy, variable in zip(self._copies, self._small, strict=True):
+            copy.assign(_read(variable))
+        self._touched.assign(False)
+
+    def _restore_eagerly(self):
+        for copy, variable in zip(self._copies, self._small, strict=True):
+            variable.assign(copy)
+
+    def save_small_state(self) -> None:
+        """Copies the small state and clears the marker; before a step."""
+        if self._small:
+            self._save()
+        else:
+            self._touched.assign(False)
+
+    def restore_small_state(self) -> None:
+        """Puts the small state back as `save_small_state` found it."""
+        if self._small:
+            self._restore()
+
+    def touched(self) -> bool:
+        """Whether an update of the failed step may have begun."""
+        return bool(self._touched.numpy())
+
+    def metric_values(self) -> list:
+        """Host copies of the metric variables, to carry into a new call."""
+        return [v.numpy() for v in self.model.metrics_variables]
+
+    def set_metric_values(self, values) -> None:
+        for variable, value in zip(
+            self.model.metrics_variables, values, strict=True
+        ):
+            variable.assign(value)
+
+
+def _small_state(model) -> list:
+    """The variables a forward pass or a metric update can change.
+
+    Metric variables, the model's own non-trainable variables and those of
+    trainable layers (moving statistics), and seed generator states. A
+    frozen layer's weights are left out: nothing assigns them.
+    """
+    found = list(model.metrics_variables)
+    layers = [model, *model._flatten_layers(include_self=False)]  # noqa: SLF001
+    for layer in layers:
+        if layer.trainable:
+            # Keras has no public name for a layer's own variables.
+            found += list(layer._non_trainable_variables)  # noqa: SLF001
+        for generator in getattr(layer, "_seed_generators", []):
+            found.append(generator.state)
+    trainable = {id(v) for v in model.trainable_variables}
+    unique = {id(v): v for v in found if id(v) not in trainable}
+    return list(unique.values())
+
+
+def _read(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _dense(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return gradient.values
+    return gradient
+
+
+def _like(original, tensor):
+    if isinstance(original, tf.IndexedSlices):
+        return tf.IndexedSlices(tensor, original.indices, original.dense_shape)
+    return tensor

@@ -1,0 +1,455 @@
+"""`GradientAccumulator`: sums micro-batch gradients, applies them per window.
+
+It sums the gradients of N micro-batches and applies their
+sample-weighted mean once per window, so one optimizer step equals the
+step of one large batch made of the window's samples. It works in any
+custom `train_step`, under `tf.distribute`, and with `LossScaleOptimizer`;
+`tfmemsafe.AccumulatingModel` uses one in its `train_step`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from tfmemsafe import _checks
+
+_SUM = tf.distribute.ReduceOp.SUM
+
+
+class GradientAccumulator:
+    """Sums micro-batch gradients and applies their mean once per window.
+
+    Call `accumulate` once per micro-batch with the gradients you would
+    pass to `optimizer.apply`, then `apply_if_ready`: after
+    `accumulation_steps` micro-batches it applies one update and starts a
+    new window. Each micro-batch counts in proportion to `sample_count`,
+    so the update equals that of one batch made of the window's samples,
+    even when the last micro-batch is smaller. `flush` applies a partial
+    window (at the end of an epoch, say); `AccumulatingModel` calls it for
+    you.
+
+    The accumulators are variables next to each model variable, local to
+    each replica under `tf.distribute`: gradients are reduced across
+    replicas once per window, not once per micro-batch. With a
+    `keras.optimizers.LossScaleOptimizer` the scaled gradients are summed,
+    checked for overflow once per window across all replicas, then
+    unscaled and applied; a window that overflowed is dropped as a whole,
+    the loss scale halves, and `skipped_windows` counts it.
+
+    `accumulate`, `apply_if_ready` and `flush` run in a replica context:
+    inside `train_step` or `strategy.run`, or eagerly without a strategy.
+
+    Args:
+        accumulation_steps: int. The micro-batches per window (N).
+        name: str. A prefix for the accumulator variables' names.
+
+    Example:
+
+    A GAN with one accumulator per network. Deriving from
+    `AccumulatingModel` (rather than `keras.Model`) makes `fit` flush both
+    at the end of each epoch and lets `model.accumulation_steps` set both.
+
+    ```python
+    class GAN(tfmemsafe.AccumulatingModel):
+        def __init__(self, generator, discriminator, accumulation_steps):
+            super().__init__(accumulation_steps=accumulation_steps)
+            self.generator = generator
+            self.discriminator = discriminator
+            self.d_accumulator = tfmemsafe.GradientAccumulator(
+                accumulation_steps, name="discriminator")
+            self.g_accumulator = tfmemsafe.GradientAccumulator(
+                accumulation_steps, name="generator")
+
+        def compile(self, d_optimizer, g_optimizer):
+            super().compile()
+            self.d_optimizer = d_optimizer
+            self.g_optimizer = g_optimizer
+
+        def train_step(self, real_images):
+            batch_size = tf.shape(real_images)[0]
+            with tf.GradientTape() as tape:
+                d_loss = self.discriminator_loss(real_images)
+                # Scaled under mixed precision, unchanged otherwise.
+                scaled_loss = self.d_optimizer.scale_loss(d_loss)
+            weights = self.discriminator.trainable_weights
+            self.d_accumulator.accumulate(
+                tape.gradient(scaled_loss, weights), weights, batch_size)
+            self.d_accumulator.apply_if_ready(self.d_optimizer)
+            # The same for the generator, with self.g_accumulator.
+            return {"d_loss": d_loss}
+    ```
+    """
+
+    def __init__(self, accumulation_steps: int, name: str = "accumulator"):
+        self._accumulation_steps = _checks.integer(
+            "accumulation_steps", accumulation_steps
+        )
+        self.name = name
+        self.built = False
+        self._window = None  # The `_Window` for the built variables.
+        self._skipped_windows = None  # A variable once built.
+        self._optimizer = None
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The micro-batches per window.
+
+        A new value is read when the step is traced next; a Keras model
+        traces again after `make_train_function(force=True)` (setting
+        `AccumulatingModel.accumulation_steps` does that for you).
+        """
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value):
+        self._accumulation_steps = _checks.integer("accumulation_steps", value)
+
+    @property
+    def pending_micro_batches(self) -> tf.Tensor:
+        """The micro-batches accumulated in the current window."""
+        if not self.built:
+            return tf.constant(0, tf.int64)
+        return tf.convert_to_tensor(self._window.micro_batches)
+
+    @property
+    def skipped_windows(self) -> tf.Tensor:
+        """Windows dropped because their scaled gradients overflowed."""
+        if not self.built:
+            return tf.constant(0, tf.int64)
+        return tf.convert_to_tensor(self._skipped_windows)
+
+    def build(self, trainable_variables) -> None:
+        """Creates one zeroed accumulator per variable, and the counters.
+
+        `accumulate` calls it when given `trainable_variables`. Building
+        for other variables (after unfreezing layers, say) replaces the
+        accumulators; building for the same ones does nothing.
+
+        Args:
+            trainable_variables: The variables whose gradients will be
+                accumulated, in the order the gradients will come.
+        """
+        variables = list(trainable_variables)
+        if self.built and _same_variables(variables, self._window.variables):
+            return
+        _create_in_strategy_scope(
+            functools.partial(self._create_variables, variables)
+        )
+        self.built = True
+
+    def _create_variables(self, variables):
+        with tf.name_scope(self.name):
+            self._window = _Window(variables)
+            if not self.built:  # Counts for the accumulator's lifetime.
+                self._skipped_windows = tf.Variable(
+                    tf.constant(0, tf.int64),
+                    trainable=False,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    name="skipped_windows",
+                )
+
+    def accumulate(
+        self, gradients, trainable_variables=None, sample_count=None
+    ) -> None:
+        """Adds one micro-batch's gradients to the window.
+
+        Args:
+            gradients: One gradient (a tensor, `tf.IndexedSlices` or
+                `None`) per variable, as for `optimizer.apply`: computed
+                from the loss Keras reports (under a strategy, divided by
+                the number of replicas; under mixed precision, scaled by
+                `optimizer.scale_loss`).
+            trainable_variables: The variables, in the same order. Needed
+                on the first call if `build` was not called.
+            sample_count: Scalar. The micro-batch's weight in the window:
+                its number of samples (for losses that average over the
+                batch, the Keras default) or its sample-weight sum (for
+                `reduction="mean_with_sample_weight"`). Defaults to 1, so
+                every micro-batch counts the same.
+        """
+        if trainable_variables is not None:
+            self.build(trainable_variables)
+        elif not self.built:
+            raise ValueError(
+                f"GradientAccumulator {self.name!r} is not built yet: "
+                "pass `trainable_variables` to `accumulate`, or call "
+                "`build(trainable_variables)` first."
+            )
+        gradients = list(gradients)
+        if len(gradients) != len(self._window.accumulators):
+            raise ValueError(
+                f"Expected one gradient per variable "
+                f"({len(self._window.accumulators)}). Received "
+                f"{len(gradients)} gradients."
+            )
+        weight = 1.0 if sample_count is None else sample_count
+        self._window.add(gradients, tf.cast(weight, tf.float32))
+
+    def apply_if_ready(self, optimizer) -> tf.Tensor:
+        """Applies the window's mean gradient if the window is full.
+
+        Args:
+            optimizer: The `keras.optimizers.Optimizer` to apply it with.
+
+        Returns:
+            A boolean scalar: whether an update was applied (`False` when
+            the window is not full yet, or was skipped for overflow).
+        """
+        self._check_built("apply_if_ready")
+        ready = tf.greater_equal(
+            tf.convert_to_tensor(self._window.micro_batches),
+            tf.constant(self.accumulation_steps, tf.int64),
+        )
+        return self._apply_window(ready, optimizer)
+
+    def flush(self, optimizer=None) -> tf.Tensor:
+        """Applies a partial window now, if any micro-batch is pending.
+
+        Args:
+            optimizer: The optimizer. Defaults to the one last given to
+                `apply_if_ready`.
+
+        Returns:
+            A boolean scalar: whether an update was applied.
+        """
+        if not self.built or not any(self._window.has_gradient):
+            return tf.constant(False)
+        ready = tf.greater(
+            tf.convert_to_tensor(self._window.micro_batches),
+            tf.constant(0, tf.int64),
+        )
+        return self._apply_window(ready, optimizer)
+
+    def reset(self) -> None:
+        """Discards the current window."""
+        if self.built:
+            self._window.reset()
+
+    def _check_built(self, method):
+        if not self.built or not any(self._window.has_gradient):
+            raise ValueError(
+                f"GradientAccumulator {self.name!r}: call `accumulate` "
+                f"before `{method}`."
+            )
+
+    def _apply_window(self, ready, optimizer):
+        """Applies the window when `ready`, from a replica context."""
+        if optimizer is None:
+            optimizer = self._optimizer
+        if optimizer is None:
+            raise ValueError(
+                f"GradientAccumulator {self.name!r} has no optimizer yet: "
+                "pass `optimizer` to `flush`."
+            )
+        self._optimizer = optimizer
+        if not optimizer.built:
+            _create_in_strategy_scope(
+                functools.partial(optimizer.build, self._window.variables)
+            )
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            raise RuntimeError(
+                "GradientAccumulator must be used in a replica context: "
+                "inside `train_step` or `strategy.run`, not in "
+                "`strategy.scope()` directly."
+            )
+        # `optimizer.apply` calls `merge_call`, which may not run inside a
+        # `tf.cond` in a replica context; in a cross-replica context it
+        # may (as `LossScaleOptimizer._tf_apply` does).
+        return context.merge_call(
+            functools.partial(self._cross_replica_window, optimizer=optimizer),
+            args=(ready,),
+        )
+
+    def _cross_replica_window(self, strategy, ready, optimizer):
+        """All cross-replica work of a window: reduce, check, apply, reset.
+
+        Every replica counts the same micro-batches, so `ready` is taken
+        from the first. The sample total (and, for a loss-scaled
+        optimizer, the overflow flags) are summed over replicas here; the
+        gradients themselves are summed by `optimizer.apply`, once.
+        """
+        ready = strategy.experimental_local_results(ready)[0]
+        check_finite = isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        )
+
+        def run_window():
+            stats = strategy.extended.call_for_each_replica(
+                self._window.local_stats, args=(check_finite,)
+            )
+            sample_total, overflowed = tf.unstack(
+                strategy.reduce(_SUM, stats, axis=None)
+            )
+
+            def apply():
+                strategy.extended.call_for_each_replica(
+                    self._window.apply, args=(optimizer, sample_total)
+                )
+                return tf.constant(True)
+
+            def skip():
+                # What `LossScaleOptimizer` does with a non-finite step.
+                optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+                optimizer.step_counter.assign(0)
+                self._skipped_windows.assign_add(1)
+                return tf.constant(False)
+
+            if check_finite:
+                applied = tf.cond(overflowed > 0, skip, apply)
+            else:
+                applied = apply()
+            strategy.extended.call_for_each_replica(self.reset)
+            return applied
+
+        return tf.cond(ready, run_window, lambda: tf.constant(False))
+
+
+class _Window:
+    """One replica's running sums for the current window.
+
+    One zeroed accumulator per variable (float32 for half-precision ones),
+    the window's sample total and its micro-batch count, all local to each
+    replica and reduced only when the window is applied; and which
+    variables have received a gradient, learned while tracing.
+
+    Args:
+        variables: The variables whose gradients are accumulated, in the
+            order the gradients come. Create it in the strategy's scope.
+    """
+
+    def __init__(self, variables):
+        strategy = tf.distribute.get_strategy()
+        local = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+        )
+        self.variables = variables
+        self.has_gradient = [False] * len(variables)
+        self.accumulators = []
+        for variable in variables:
+            with strategy.extended.colocate_vars_with(_tf_variable(variable)):
+                self.accumulators.append(
+                    tf.Variable(
+                        tf.zeros(variable.shape, _accumulator_dtype(variable)),
+                        aggregation=tf.VariableAggregation.SUM,
+                        name="gradient",
+                        **local,
+                    )
+                )
+        self.sample_total = tf.Variable(
+            0.0,
+            aggregation=tf.VariableAggregation.SUM,
+            name="sample_total",
+            **local,
+        )
+        self.micro_batches = tf.Variable(
+            tf.constant(0, tf.int64),
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            name="micro_batches",
+            **local,
+        )
+
+    def add(self, gradients, weight) -> None:
+        """Adds one micro-batch's gradients, weighted by `weight`."""
+        for index, (accumulator, gradient) in enumerate(
+            zip(self.accumulators, gradients, strict=True)
+        ):
+            if gradient is None:
+                continue
+            self.has_gradient[index] = True
+            if isinstance(gradient, tf.IndexedSlices):
+                values = tf.cast(gradient.values, accumulator.dtype)
+                accumulator.scatter_add(
+                    tf.IndexedSlices(
+                        values * tf.cast(weight, values.dtype),
+                        gradient.indices,
+                        gradient.dense_shape,
+                    )
+                )
+            else:
+                gradient = tf.cast(gradient, accumulator.dtype)
+                accumulator.assign_add(
+                    gradient * tf.cast(weight, accumulator.dtype)
+                )
+        self.sample_total.assign_add(weight)
+        self.micro_batches.assign_add(1)
+
+    def reset(self) -> None:
+        for variable in [
+            *self.accumulators,
+            self.sample_total,
+            self.micro_batches,
+        ]:
+            variable.assign(tf.zeros_like(variable))
+
+    def local_stats(self, check_finite):
+        overflowed = tf.constant(0.0)
+        if check_finite:
+            finite = [
+                tf.reduce_all(tf.math.is_finite(accumulator))
+                for accumulator, used in zip(
+                    self.accumulators, self.has_gradient, strict=True
+                )
+                if used
+            ]
+            overflowed = 1.0 - tf.cast(tf.reduce_all(finite), tf.float32)
+        return tf.stack([tf.convert_to_tensor(self.sample_total), overflowed])
+
+    def apply(self, optimizer, sample_total):
+        # Keras divides each replica's loss by the number of replicas and
+        # `optimizer.apply` sums over replicas; multiplying by it here
+        # makes that sum the sample-weighted mean over all replicas.
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        scale = tf.math.divide_no_nan(float(replicas), sample_total)
+        gradients = [
+            tf.cast(
+                accumulator * tf.cast(scale, accumulator.dtype), variable.dtype
+            )
+            if used
+            else None
+            for accumulator, variable, used in zip(
+                self.accumulators,
+                self.variables,
+                self.has_gradient,
+                strict=True,
+            )
+        ]
+        optimizer.apply(gradients, self.variables)
+
+
+def _create_in_strategy_scope(create) -> None:
+    """Runs `create`, which makes variables, eagerly in the strategy's scope.
+
+    It may be called while a step is traced in a replica context: under
+    MirroredStrategy, variables created there by a replica thread made a
+    later `tf.cond` branch fail ("You must feed a value for placeholder").
+    """
+
+    def create_eagerly(*_):
+        strategy = tf.distribute.get_strategy()
+        with tf.init_scope(), strategy.scope():
+            create()
+
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        create_eagerly()
+    else:
+        context.merge_call(create_eagerly)
+
+
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _same_variables(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _accumulator_dtype(variable) -> tf.DType:
+    dtype = tf.as_dtype(variable.dtype)
+    # Sums of many half-precision gradients lose precision: use float32.
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype

@@ -1,0 +1,83 @@
+"""What `tfmemsafe.fit` returns: a `FitHistory` with an `OOMEvent` each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+
+
+@dataclasses.dataclass(frozen=True)
+class OOMEvent:
+    """An out-of-memory error that `tfmemsafe.fit` recovered from.
+
+    `str(event)` is one line, e.g. `"epoch 1, training step 0: batch size
+    256 -> 128, accumulation steps 2"` (the epoch counted from 1).
+
+    Attributes:
+        epoch: int. The epoch that failed, counted from 0 as Keras
+            callbacks count.
+        step: int. The batch within the epoch (or within its validation)
+            that was running.
+        phase: str. `"training"` or `"validation"`.
+        batch_size_before: int. The batch size that ran out of memory.
+        batch_size_after: int. The batch size used from then on.
+        accumulation_steps: int or `None`. The model's
+            `accumulation_steps` after recovery; `None` for a model
+            without gradient accumulation.
+        error: str. The line of the error that says what ran out.
+        resumed_at_step: int or `None`. The step of the epoch (or of its
+            validation) that training went on at, counted in batches of
+            any size; `None` when the epoch started again from its first
+            step (docs/oom-recovery.md says when).
+    """
+
+    epoch: int
+    step: int
+    phase: str
+    batch_size_before: int
+    batch_size_after: int
+    accumulation_steps: int | None
+    error: str
+    resumed_at_step: int | None = None
+
+    def __str__(self) -> str:
+        accumulation = (
+            ""
+            if self.accumulation_steps is None
+            else f", accumulation steps {self.accumulation_steps}"
+        )
+        return (
+            f"epoch {self.epoch + 1}, {self.phase} step {self.step}: batch "
+            f"size {self.batch_size_before} -> {self.batch_size_after}"
+            f"{accumulation}"
+        )
+
+
+class FitHistory(keras.callbacks.History):
+    """The `keras.callbacks.History` that `tfmemsafe.fit` returns.
+
+    Besides Keras' `epoch`, `history`, `params` and `model`, it says what
+    recovery did.
+
+    If `callbacks` holds a `keras.callbacks.History` of your own, `fit`
+    records into that object and returns it, as `model.fit` does; it is
+    made a `FitHistory` in place (its class becomes a subclass of both its
+    own class and `FitHistory`), so it has these attributes too.
+
+    Attributes:
+        oom_events: list of `OOMEvent`. The out-of-memory errors recovered
+            from, in order.
+        batch_size: int or `None`. The training batch size `fit` ended
+            with; `None` until it has ended.
+
+    Example:
+    >>> history = tfmemsafe.fit(model, (x, y), batch_size=1024)
+    >>> history.batch_size, [str(e) for e in history.oom_events]
+    (512, ['epoch 1, training step 0: batch size 1024 -> 512'])
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.oom_events: list[OOMEvent] = []
+        self.batch_size: int | None = None
