@@ -245,7 +245,7 @@ def _state(model, accumulators=()):
     variables = [*model.variables, *model.metrics_variables]
     variables += model.optimizer.variables
     for accumulator in accumulators:
-        variables += accumulator._window_variables()
+        variables += accumulator.state_variables()
     variables.append(
         global_state.get_global_attribute("global_seed_generator").state
     )

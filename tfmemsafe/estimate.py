@@ -19,6 +19,9 @@ from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe import memory
+from tfmemsafe._resume import gradient_accumulators_of
+from tfmemsafe._resume import optimizers_of
+from tfmemsafe._sources import source_for
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 
@@ -225,7 +228,7 @@ def estimate_memory(
     181.3
     """
     _checks.compiled_model(model, "estimate_memory")
-    source = _adapter.source(data)
+    source = source_for(data, "data", labelled=True)
     replicas = model.distribute_strategy.num_replicas_in_sync
     if batch_sizes is not None:
         batch_sizes = _check_batch_sizes(batch_sizes, replicas)
@@ -336,7 +339,8 @@ class _Probe:
         self.model = model
         self.source = source
         self.devices = devices
-        _adapter.ensure_built(model, source)
+        if not model.built:  # So that all its variables exist to be saved.
+            model(source.sample_inputs(), training=False)
         self.state = _ModelState(model)
         self.current = {}
         self.tried = []
@@ -427,14 +431,16 @@ class _ModelState:
     )
 
     def __init__(self, model: keras.Model):
-        _adapter.build_optimizer(model)
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # Its variables must exist to be saved, as `fit` would build it.
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
         variables = [*model.variables, *model.metrics_variables]
-        for optimizer in _adapter.optimizers(model):
+        for optimizer in optimizers_of(model):
             variables += optimizer.variables
-        for accumulator in _adapter.gradient_accumulators(model):
-            if accumulator.built:
-                variables += accumulator._window_variables()
-                variables.append(accumulator._skipped_windows)
+        for accumulator in gradient_accumulators_of(model):
+            variables += accumulator.state_variables()
         generator = global_state.get_global_attribute("global_seed_generator")
         if generator is not None:
             variables.append(generator.state)
@@ -455,6 +461,7 @@ class _ModelState:
             part.assign(value)
         for name, value in self.attributes.items():
             setattr(self.model, name, value)
+        # Keras' cached validation iterator; Keras has no public way to drop it.
         self.model._eval_epoch_iterator = None
 
 
@@ -523,42 +530,3 @@ def _check_batch_sizes(batch_sizes, replicas: int) -> list[int]:
 
 def _mib(num_bytes: float) -> str:
     return f"{num_bytes / _MIB:.1f} MiB"
-
-
-class _RecoveryAdapter:
-    """What `estimate_memory` borrows from `tfmemsafe.recovery`."""
-
-    @staticmethod
-    def source(data):
-        from tfmemsafe import recovery
-
-        return recovery._Data(data, "data", labelled=True)
-
-    @staticmethod
-    def ensure_built(model, source) -> None:
-        from tfmemsafe import recovery
-
-        recovery._ensure_built(model, source)
-
-    @staticmethod
-    def build_optimizer(model) -> None:
-        optimizer = model.optimizer
-        if optimizer is not None and not optimizer.built:
-            # Its variables must exist to be saved, as `fit` would build it.
-            with model.distribute_strategy.scope():
-                optimizer.build(model.trainable_variables)
-
-    @staticmethod
-    def optimizers(model) -> list:
-        from tfmemsafe import recovery
-
-        return recovery._optimizers(model)
-
-    @staticmethod
-    def gradient_accumulators(model) -> list:
-        from tfmemsafe import recovery
-
-        return recovery._gradient_accumulators(model)
-
-
-_adapter = _RecoveryAdapter()
