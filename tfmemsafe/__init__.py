@@ -20,7 +20,10 @@ from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import DatasetUnavailableError
+from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.estimate import MemoryEstimate
+from tfmemsafe.estimate import estimate_memory
 from tfmemsafe.feature_cache import cache_features
 from tfmemsafe.feature_cache import fit_head
 from tfmemsafe.history import FitHistory
@@ -46,6 +49,8 @@ __all__ = [
     "FitHistory",
     "GradientAccumulator",
     "InferenceMode",
+    "MemoryEstimate",
+    "MemoryEstimateError",
     "MemoryInfo",
     "MemoryMonitor",
     "OOMEvent",
@@ -59,6 +64,7 @@ __all__ = [
     "data",
     "default_devices",
     "distribute",
+    "estimate_memory",
     "evaluate",
     "find_max_batch_size",
     "fit",

@@ -25,3 +25,12 @@ class DatasetUnavailableError(RuntimeError):
 
     The download error, if there was one, is chained as `__cause__`.
     """
+
+
+class MemoryEstimateError(RuntimeError):
+    """`tfmemsafe.estimate_memory` could not measure the training step.
+
+    The device keeps no memory statistics (on a CPU, TensorFlow's default
+    allocator keeps none unless `TF_CPU_ALLOCATOR_USE_BFC=true`), or the
+    measured peak did not grow with the batch size.
+    """

@@ -121,6 +121,22 @@ class GradientAccumulator:
             return tf.constant(0, tf.int64)
         return tf.convert_to_tensor(self._skipped_windows)
 
+    def state_variables(self) -> list:
+        """The variables a training step changes, to save and put back.
+
+        The current window's gradient sums, sample total and micro-batch
+        count, and the `skipped_windows` counter; none before `build`.
+        """
+        if not self.built:
+            return []
+        window = self._window
+        return [
+            *window.accumulators,
+            window.sample_total,
+            window.micro_batches,
+            self._skipped_windows,
+        ]
+
     def build(self, trainable_variables) -> None:
         """Creates one zeroed accumulator per variable, and the counters.
 

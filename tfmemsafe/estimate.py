@@ -1,0 +1,532 @@
+"""A measured memory model of a model's training step.
+
+`estimate_memory` runs the model's real training step, as `model.fit`
+compiles it, at a few small batch sizes, reads the allocator's peak after
+each, and fits a line `peak = fixed + per_sample x batch` through them.
+The `MemoryEstimate` it returns predicts the peak at any batch size and
+the largest batch that fits a memory limit. See docs/memory-estimate.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+
+import keras
+import numpy as np
+from absl import logging
+
+from tfmemsafe import _checks
+from tfmemsafe import memory
+from tfmemsafe._resume import gradient_accumulators_of
+from tfmemsafe._resume import optimizers_of
+from tfmemsafe._sources import source_for
+from tfmemsafe.errors import MemoryEstimateError
+from tfmemsafe.errors import OutOfMemoryError
+
+# Keras has no public name for the generator that `keras.random` draws
+# from when no seed is given.
+from keras.src.backend.common import global_state  # isort: skip
+
+_MIB = 1024 * 1024
+# Training steps per probe: the first step allocates what only it needs
+# (the optimizer's first update, tracing); the second shows the steady one.
+_PROBE_STEPS = 2
+# Default probes: doubling batch sizes from `_FIRST_PROBE`, at least
+# `_MIN_PROBES` and at most `_MAX_PROBES`. At small sizes the step's peak
+# is set by fixed costs (the optimizer update, the data) and grows slower
+# than the activations; doubling (or quadrupling, while the growth is
+# tiny) goes on until the last two slopes agree
+# to `_SLOPE_AGREEMENT` (the line is straight there), but never to a size
+# predicted to use more than `_PROBE_BUDGET` of the free memory, so a
+# probe does not run out. The line is fitted to the `_FITTED` largest.
+_FIRST_PROBE = 8
+_MIN_PROBES = 3
+_MAX_PROBES = 7
+_FITTED = 3
+_SLOPE_AGREEMENT = 0.1
+_PROBE_BUDGET = 0.2
+# Below this growth (of the free memory) the sizes grow four-fold.
+_SMALL_GROWTH = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """The peak memory of a training step as a line in the batch size.
+
+    `peak_bytes(b) = fixed_bytes + per_sample_bytes * b`, fitted by least
+    squares to the allocator's peaks at the probe sizes in `measurements`.
+    The fixed part holds the weights, the optimizer state, the gradients
+    and whatever else the process keeps on the device (a dataset's arrays,
+    say); the per-sample part the activations kept for the backward pass
+    and the batch itself.
+
+    Attributes:
+        device: str. The device measured; under a `tf.distribute`
+            strategy, the replica device whose peak was highest.
+        limit_bytes: int or `None`. The device's memory limit (see
+            `tfmemsafe.memory_info`), if known.
+        fixed_bytes: int. The line's value at batch 0.
+        per_sample_bytes: float. The line's slope. Under a strategy, per
+            sample of the global batch, on one replica device.
+        measurements: tuple of `(batch_size, peak_bytes)` pairs, the
+            probes the line was fitted to. Batch sizes are global.
+    """
+
+    device: str
+    limit_bytes: int | None
+    fixed_bytes: int
+    per_sample_bytes: float
+    measurements: tuple[tuple[int, int], ...]
+
+    def peak_bytes(self, batch_size: int) -> int:
+        """The predicted peak of a training step at `batch_size`.
+
+        Args:
+            batch_size: int. A (global) batch size.
+
+        Returns:
+            The predicted peak in bytes.
+        """
+        batch_size = _checks.integer("batch_size", batch_size, 1)
+        return int(
+            math.ceil(self.fixed_bytes + self.per_sample_bytes * batch_size)
+        )
+
+    def max_batch_size(
+        self,
+        limit_bytes: int | None = None,
+        headroom: float = 0.1,
+        multiple: int = 1,
+    ) -> int:
+        """The largest batch whose predicted peak leaves `headroom` free.
+
+        Args:
+            limit_bytes: int or `None`. The memory to fit in; lets you ask
+                about a device you do not have ("would batch 512 fit a
+                16 GiB card?"). Defaults to `None`, the measured device's
+                `limit_bytes`.
+            headroom: float. The fraction of the limit to leave free, in
+                [0, 1), for what the line does not see: the allocator's
+                fragmentation, a different convolution algorithm at a
+                larger size, other work on the device. Defaults to 0.1.
+            multiple: int. Round down to a multiple of this (the number
+                of replicas, say). Defaults to 1.
+
+        Returns:
+            The batch size, or 0 when not even `multiple` samples are
+            predicted to fit.
+
+        Raises:
+            ValueError: If an argument is out of range, or `limit_bytes`
+                is `None` and the device's limit is unknown.
+
+        Example:
+        >>> estimate.max_batch_size(limit_bytes=16 * 1024**3, multiple=8)
+        4096
+        """
+        if limit_bytes is None:
+            limit_bytes = self.limit_bytes
+            if limit_bytes is None:
+                raise ValueError(
+                    f"`limit_bytes` is required: the memory limit of "
+                    f"{self.device} is unknown. Received: limit_bytes=None"
+                )
+        limit_bytes = _checks.integer("limit_bytes", limit_bytes, 1)
+        headroom = _checks.fraction("headroom", headroom)
+        multiple = _checks.integer("multiple", multiple, 1)
+        room = limit_bytes * (1.0 - headroom) - self.fixed_bytes
+        if room < self.per_sample_bytes * multiple:
+            return 0
+        size = int(room // self.per_sample_bytes)
+        return size - size % multiple
+
+    def __str__(self) -> str:
+        limit = (
+            "limit unknown"
+            if self.limit_bytes is None
+            else f"limit {_mib(self.limit_bytes)}"
+        )
+        lines = [
+            f"MemoryEstimate on {self.device} ({limit})",
+            f"  peak = {_mib(self.fixed_bytes)} + "
+            f"{self.per_sample_bytes / 1024:.1f} KiB x batch",
+            f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
+        ]
+        for size, peak in self.measurements:
+            predicted = self.peak_bytes(size)
+            lines.append(
+                f"  {size:>8}  {_mib(peak):>12}  {_mib(predicted):>12}  "
+                f"{100 * (predicted - peak) / peak:+.1f}%"
+            )
+        if self.limit_bytes is not None:
+            lines.append(
+                f"  largest batch with 10% headroom: {self.max_batch_size()}"
+            )
+        return "\n".join(lines)
+
+
+def estimate_memory(
+    model: keras.Model,
+    data,
+    *,
+    batch_sizes=None,
+    device=None,
+) -> MemoryEstimate:
+    """Measures the peak memory of a training step at a few batch sizes.
+
+    Runs the model's real training step, compiled as `model.fit` compiles
+    it (its `train_step`, `jit_compile`, distribution strategy, dtype
+    policy and loss scaling, an `AccumulatingModel`'s windows,
+    `Checkpointed` layers), for two steps at each probe batch size. Before
+    each probe it resets the device's peak-memory statistic, and after it
+    reads the peak; a line `peak = fixed + per_sample x batch` is fitted to
+    the peaks by least squares.
+
+    The model is left exactly as it was found: its weights, optimizer
+    variables (including `iterations`), metric states, accumulation
+    windows and random-seed state are put back, as are `model.history`
+    and its compiled functions. An optimizer that was not built yet is
+    built (with zero state, as `fit` would build it).
+
+    With `batch_sizes=None` it chooses the probes: doubling (quadrupling
+    while the peak hardly grows) sizes from 8 (times the replicas), at
+    least three and at most seven, until the
+    peak grows in a straight line (the last two slopes agree within 10%),
+    never to a size predicted to grow the peak by more than 20% of the
+    free memory; the line is fitted to the three largest (see
+    `_fit_line`). Under a strategy, sizes are global and the peak is the
+    highest of the replica devices.
+
+    Args:
+        model: A compiled `keras.Model`.
+        data: Training data of any kind `tfmemsafe.fit` accepts. A few
+            batches of it are read at each probe size.
+        batch_sizes: list of int, or `None`. The probe sizes, at least
+            two different ones, each small enough to fit. Defaults to
+            `None`, chosen as above.
+        device: str or `tf.config.LogicalDevice`. The device to read.
+            Defaults to `None`: the replica devices of the model's
+            strategy, or `tfmemsafe.default_devices()`.
+
+    Returns:
+        A `MemoryEstimate`.
+
+    Raises:
+        MemoryEstimateError: If the device keeps no memory statistics, or
+            the peak did not grow with the batch size.
+        OutOfMemoryError: If a probe ran out of memory.
+        TypeError: If `model` or `data` is of the wrong kind.
+        ValueError: If an argument is out of range.
+
+    Example:
+    >>> estimate = tfmemsafe.estimate_memory(model, (x, y))
+    >>> estimate.max_batch_size()
+    1184
+    >>> estimate.peak_bytes(512) / 2**20
+    181.3
+    """
+    _checks.compiled_model(model, "estimate_memory")
+    source = source_for(data, "data", labelled=True)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if batch_sizes is not None:
+        batch_sizes = _check_batch_sizes(batch_sizes, replicas)
+    devices = _devices(model, device)
+    limits = _check_statistics(devices)
+    probe = _Probe(model, source, devices)
+    try:
+        if batch_sizes is None:
+            measurements = _measure_default_sizes(
+                probe, source, replicas, limits
+            )
+        else:
+            measurements = [probe.run(size) for size in batch_sizes]
+    finally:
+        probe.close()
+    sizes = [size for size, _, _ in measurements]
+    peaks = [peak for _, peak, _ in measurements]
+    fixed, per_sample = _fit_line(sizes, peaks)
+    if per_sample <= 0:
+        raise MemoryEstimateError(
+            "Could not estimate memory: the peak did not grow with the batch "
+            f"size (batch sizes {sizes}, peaks {[_mib(p) for p in peaks]}). "
+            "Pass larger `batch_sizes`."
+        )
+    # The device whose peak was highest at the largest probe.
+    device = measurements[-1][2]
+    estimate = MemoryEstimate(
+        device=device,
+        limit_bytes=limits[device],
+        fixed_bytes=int(round(fixed)),
+        per_sample_bytes=float(per_sample),
+        measurements=tuple(zip(sizes, peaks, strict=True)),
+    )
+    logging.info("tfmemsafe.estimate_memory:\n%s", estimate)
+    return estimate
+
+
+def _measure_default_sizes(probe, source, replicas, limits) -> list:
+    samples = source.num_samples
+    # A global batch needs a sample per replica; none is larger than the data.
+    size = replicas * max(1, _FIRST_PROBE // replicas)
+    if samples is not None:
+        size = min(size, max(replicas, samples - samples % replicas))
+    measurements = [probe.run(size)]
+    free = _free_bytes(limits, probe.current)
+    while len(measurements) < _MAX_PROBES:
+        first, last = measurements[0][1], measurements[-1][1]
+        factor = 2
+        if free is not None and last - first < _SMALL_GROWTH * free:
+            factor = 4  # Fixed costs still hide the slope: go faster.
+        size *= factor
+        if samples is not None and size > samples:
+            break
+        if len(measurements) >= 2:
+            (s0, p0, _), (s1, p1, _), (s2, p2, _) = (
+                [(0, 0, None)] + measurements
+            )[-3:]
+            slope = (p2 - p1) / (s2 - s1)
+            if len(measurements) >= _MIN_PROBES and slope > 0:
+                before = (p1 - p0) / (s1 - s0)
+                if abs(slope - before) <= _SLOPE_AGREEMENT * slope:
+                    break
+            predicted = p2 + max(slope, 0) * (size - s2)
+            if free is not None and predicted - first > _PROBE_BUDGET * free:
+                break
+        measurements.append(probe.run(size))
+    if len(measurements) < 2:
+        raise MemoryEstimateError(
+            "Could not estimate memory: the data has too few samples for "
+            f"two probe batch sizes ({samples}). Pass `batch_sizes`."
+        )
+    return measurements[-_FITTED:]
+
+
+def _free_bytes(limits, current) -> int | None:
+    """The least memory free on a device, below its limit."""
+    free = [
+        limits[device] - current[device]
+        for device in current
+        if limits.get(device) is not None
+    ]
+    return min(free) if free else None
+
+
+def _fit_line(sizes, peaks) -> tuple[float, float]:
+    """The line `peak = fixed + per_sample * size` through the probes.
+
+    Least squares, made no shallower than the secant of the two largest
+    probes and moved up to pass no lower than the largest: a step's peak
+    is the largest of many moments' memory, each growing linearly with
+    the batch, so it bends upwards (the moment with the most activations
+    takes over), and a line through smaller probes would fall short.
+    """
+    sizes = np.asarray(sizes, float)
+    peaks = np.asarray(peaks, float)
+    per_sample, fixed = np.polyfit(sizes, peaks, 1)
+    order = np.argsort(sizes)
+    (s1, s2), (p1, p2) = sizes[order][-2:], peaks[order][-2:]
+    per_sample = max(per_sample, (p2 - p1) / (s2 - s1))
+    fixed = max(fixed, p2 - per_sample * s2)
+    return float(fixed), float(per_sample)
+
+
+class _Probe:
+    """Trains a few steps at a batch size and reads the devices' peaks."""
+
+    def __init__(self, model, source, devices):
+        self.model = model
+        self.source = source
+        self.devices = devices
+        if not model.built:  # So that all its variables exist to be saved.
+            model(source.sample_inputs(), training=False)
+        self.state = _ModelState(model)
+        self.current = {}
+        self.tried = []
+
+    def run(self, batch_size: int) -> tuple[int, int, str]:
+        """Returns `(batch_size, peak_bytes, device)` of the highest peak."""
+        self.tried.append(batch_size)
+        # What the previous probe's `fit` left (its iterator, a copy of the
+        # data) must not count in this one's peak.
+        gc.collect()
+        for device in self.devices:
+            self.current[device] = memory.memory_info(
+                device, include_limit=False
+            ).current_bytes
+        try:
+            self.model.fit(
+                **self.source.trial_arguments(batch_size, _PROBE_STEPS),
+                epochs=1,
+                verbose=0,
+                callbacks=[_ResetPeakAtFirstStep(self.devices)],
+            )
+        except Exception as err:
+            if not memory.is_oom_error(err):
+                raise
+            raise OutOfMemoryError(
+                f"Could not estimate memory: a probe batch of {batch_size} "
+                "ran out of memory. Pass smaller `batch_sizes`.",
+                self.tried,
+            ) from err
+        peaks = {
+            device: memory.memory_info(device, include_limit=False).peak_bytes
+            for device in self.devices
+        }
+        device = max(peaks, key=lambda d: peaks[d] or 0)
+        if not peaks[device]:
+            raise MemoryEstimateError(
+                f"Could not estimate memory: {device} reported no peak "
+                "memory after a training step."
+            )
+        logging.vlog(
+            1,
+            "tfmemsafe.estimate_memory: batch %d peaked at %s on %s.",
+            batch_size,
+            _mib(peaks[device]),
+            device,
+        )
+        return batch_size, peaks[device], device
+
+    def close(self) -> None:
+        self.state.restore()
+
+
+class _ResetPeakAtFirstStep(keras.callbacks.Callback):
+    """Resets the peak just before the first step.
+
+    So the peak is the step's, not that of `fit`'s setup: converting arrays
+    to tensors may briefly hold two copies of the data, a one-off that no
+    batch size changes.
+    """
+
+    def __init__(self, devices):
+        super().__init__()
+        self.devices = devices
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            for device in self.devices:
+                memory.reset_peak_memory(device)
+
+
+class _ModelState:
+    """Everything a training step changes in a model, to put back exactly.
+
+    The variables of the model, its metrics, its optimizers (the compiled
+    one and any held as attributes) and gradient accumulators (the whole
+    window, not reset), and the global random-seed generator; and the
+    attributes `fit` replaces: `history`, the compiled functions,
+    `stop_training`. Each per-replica part of a distributed variable is
+    saved on its own.
+    """
+
+    _ATTRIBUTES = (
+        "history",
+        "train_function",
+        "test_function",
+        "predict_function",
+        "stop_training",
+    )
+
+    def __init__(self, model: keras.Model):
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # Its variables must exist to be saved, as `fit` would build it.
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        variables = [*model.variables, *model.metrics_variables]
+        for optimizer in optimizers_of(model):
+            variables += optimizer.variables
+        for accumulator in gradient_accumulators_of(model):
+            variables += accumulator.state_variables()
+        generator = global_state.get_global_attribute("global_seed_generator")
+        if generator is not None:
+            variables.append(generator.state)
+        self.model = model
+        self.parts = []
+        seen = set()
+        for variable in variables:
+            for part in _local_parts(variable):
+                if id(part) not in seen:
+                    seen.add(id(part))
+                    self.parts.append((part, np.array(part.numpy(), copy=True)))
+        self.attributes = {
+            name: getattr(model, name, None) for name in self._ATTRIBUTES
+        }
+
+    def restore(self) -> None:
+        for part, value in self.parts:
+            part.assign(value)
+        for name, value in self.attributes.items():
+            setattr(self.model, name, value)
+        # Keras' cached validation iterator; Keras has no public way to drop it.
+        self.model._eval_epoch_iterator = None
+
+
+def _local_parts(variable) -> list:
+    """The variables that hold `variable`'s value: one per replica."""
+    inner = getattr(variable, "value", None)
+    if (
+        not hasattr(variable, "values")
+        and inner is not None
+        and hasattr(inner, "assign")
+    ):
+        variable = inner  # A Keras variable: its TensorFlow variable.
+    values = getattr(variable, "values", None)  # A distributed variable.
+    if isinstance(values, tuple) and values and hasattr(values[0], "assign"):
+        return list(values)
+    return [variable]
+
+
+def _devices(model, device) -> list[str]:
+    if device is not None:
+        return [memory.device_name(device)]
+    with model.distribute_strategy.scope():
+        return memory.default_devices()
+
+
+def _check_statistics(devices) -> dict:
+    """The devices' limits; raises if a device keeps no statistics."""
+    limits = {}
+    for device in devices:
+        info = memory.memory_info(device)
+        if info.peak_bytes is None:
+            raise MemoryEstimateError(
+                f"Could not estimate memory: {device} keeps no allocator "
+                f"statistics ({info.reason}). On a CPU, TensorFlow's default "
+                "allocator keeps none unless oneDNN is on: set the "
+                "environment variable TF_CPU_ALLOCATOR_USE_BFC=true before "
+                "TensorFlow is imported (importing tfmemsafe first does "
+                "this), or pass `device` a GPU."
+            )
+        limits[device] = info.limit_bytes
+    return limits
+
+
+def _check_batch_sizes(batch_sizes, replicas: int) -> list[int]:
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(
+        batch_sizes, "__iter__"
+    ):
+        raise TypeError(
+            "`batch_sizes` must be a list of integers or None. "
+            f"Received: batch_sizes={batch_sizes!r}"
+        )
+    sizes = [_checks.integer("batch_sizes", s, replicas) for s in batch_sizes]
+    if len(set(sizes)) < 2:
+        raise ValueError(
+            "`batch_sizes` must hold at least two different sizes, to fit "
+            f"a line through. Received: batch_sizes={list(batch_sizes)!r}"
+        )
+    if any(size % replicas for size in sizes):
+        raise ValueError(
+            f"`batch_sizes` must be multiples of the {replicas} replicas: "
+            "they are global batch sizes. "
+            f"Received: batch_sizes={list(batch_sizes)!r}"
+        )
+    return sorted(sizes)
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / _MIB:.1f} MiB"
