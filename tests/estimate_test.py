@@ -275,7 +275,12 @@ class EstimateMemoryTest(tf.test.TestCase):
         accumulator = model.gradient_accumulator
         self.assertEqual(int(accumulator.pending_micro_batches), 1)
         before = _state(model, [accumulator])
-        tfmemsafe.estimate_memory(model, (x, y), batch_sizes=[4, 8, 16])
+        try:
+            tfmemsafe.estimate_memory(model, (x, y), batch_sizes=[4, 8, 16])
+        except tfmemsafe.MemoryEstimateError:
+            # A flat line, in a process that ran much before: the state
+            # must be put back all the same.
+            pass
         after = _state(model, [accumulator])
         self.assertLen(after, len(before))
         for old, new in zip(before, after, strict=True):
@@ -285,15 +290,20 @@ class EstimateMemoryTest(tf.test.TestCase):
         self.assertIs(model.history, history)
 
     def test_line_passes_near_every_measurement(self):
-        _needs_statistics(self)
-        estimate = tfmemsafe.estimate_memory(
-            _mlp(features=32), _pipeline((32,)), batch_sizes=[64, 128, 256]
+        # A fresh process: in a long-lived one, what earlier work left on
+        # the allocator can hide a small model's growth (seen in a full
+        # serial run of the suite, peaks flat at 45 MiB).
+        result = testing.run_in_subprocess(
+            _estimate_a_small_mlp,
+            env={
+                "TF_CPU_ALLOCATOR_USE_BFC": "true",
+                "CUDA_VISIBLE_DEVICES": "",
+            },
         )
-        self.assertEqual([s for s, _ in estimate.measurements], [64, 128, 256])
-        self.assertGreater(estimate.per_sample_bytes, 0)
-        self.assertEqual(estimate.device, "CPU:0")
-        for size, peak in estimate.measurements:
-            self.assertAllClose(estimate.peak_bytes(size), peak, rtol=0.2)
+        self.assertEqual(result["sizes"], [64, 128, 256])
+        self.assertGreater(result["per_sample_bytes"], 0)
+        self.assertEqual(result["device"], "CPU:0")
+        self.assertAllClose(result["predicted"], result["peaks"], rtol=0.2)
 
     def test_no_statistics_raises_an_error_that_says_what_to_do(self):
         result = testing.run_in_subprocess(
@@ -308,6 +318,21 @@ class EstimateMemoryTest(tf.test.TestCase):
         self.assertIn("keeps no allocator statistics", result["message"])
         self.assertIn("TF_CPU_ALLOCATOR_USE_BFC=true", result["message"])
         self.assertTrue(result["unchanged"])
+
+
+def _estimate_a_small_mlp():
+    estimate = tfmemsafe.estimate_memory(
+        _mlp(features=32), _pipeline((32,)), batch_sizes=[64, 128, 256]
+    )
+    return {
+        "sizes": [size for size, _ in estimate.measurements],
+        "peaks": [peak for _, peak in estimate.measurements],
+        "predicted": [
+            estimate.peak_bytes(size) for size, _ in estimate.measurements
+        ],
+        "per_sample_bytes": estimate.per_sample_bytes,
+        "device": estimate.device,
+    }
 
 
 def _estimate_without_statistics():
