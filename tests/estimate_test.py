@@ -303,7 +303,12 @@ class EstimateMemoryTest(tf.test.TestCase):
         self.assertEqual(result["sizes"], [64, 128, 256])
         self.assertGreater(result["per_sample_bytes"], 0)
         self.assertEqual(result["device"], "CPU:0")
-        self.assertAllClose(result["predicted"], result["peaks"], rtol=0.2)
+        # Small probes are noisy (25.7, 23.6, 29.9 MiB in one CI run); the
+        # line is lifted so that it never reads far under a measurement.
+        for predicted, peak in zip(
+            result["predicted"], result["peaks"], strict=True
+        ):
+            self.assertGreaterEqual(predicted, 0.8 * peak)
 
     def test_no_statistics_raises_an_error_that_says_what_to_do(self):
         result = testing.run_in_subprocess(
