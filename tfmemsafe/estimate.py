@@ -232,13 +232,44 @@ def estimate_memory(
     replicas = model.distribute_strategy.num_replicas_in_sync
     if batch_sizes is not None:
         batch_sizes = _check_batch_sizes(batch_sizes, replicas)
+    return estimate_source(
+        model, source, batch_sizes=batch_sizes, device=device
+    )
+
+
+def estimate_source(
+    model: keras.Model,
+    source,
+    *,
+    phase: str = "training",
+    batch_sizes: list[int] | None = None,
+    largest: int | None = None,
+    device=None,
+) -> MemoryEstimate:
+    """`estimate_memory` on a checked `_sources.Source`, for any phase.
+
+    Args:
+        model: A compiled `keras.Model`.
+        source: `_sources.Source`. The data.
+        phase: str. The step to measure: `"training"` (`model.fit`),
+            `"evaluation"` or `"validation"` (`model.evaluate`), or
+            `"prediction"` (`model.predict`).
+        batch_sizes: list of int or `None`. Checked probe sizes, sorted.
+        largest: int or `None`. No default probe is larger than this
+            (recovery passes half the size that ran out).
+        device: As in `estimate_memory`.
+
+    Returns:
+        A `MemoryEstimate`.
+    """
+    replicas = model.distribute_strategy.num_replicas_in_sync
     devices = _devices(model, device)
     limits = _check_statistics(devices)
-    probe = _Probe(model, source, devices)
+    probe = _Probe(model, source, devices, phase)
     try:
         if batch_sizes is None:
             measurements = _measure_default_sizes(
-                probe, source, replicas, limits
+                probe, source, replicas, limits, largest
             )
         else:
             measurements = [probe.run(size) for size in batch_sizes]
@@ -262,12 +293,14 @@ def estimate_memory(
         per_sample_bytes=float(per_sample),
         measurements=tuple(zip(sizes, peaks, strict=True)),
     )
-    logging.info("tfmemsafe.estimate_memory:\n%s", estimate)
+    logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)
     return estimate
 
 
-def _measure_default_sizes(probe, source, replicas, limits) -> list:
+def _measure_default_sizes(probe, source, replicas, limits, largest) -> list:
     samples = source.num_samples
+    if largest is not None:
+        samples = largest if samples is None else min(samples, largest)
     # A global batch needs a sample per replica; none is larger than the data.
     size = replicas * max(1, _FIRST_PROBE // replicas)
     if samples is not None:
@@ -298,7 +331,7 @@ def _measure_default_sizes(probe, source, replicas, limits) -> list:
     if len(measurements) < 2:
         raise MemoryEstimateError(
             "Could not estimate memory: the data has too few samples for "
-            f"two probe batch sizes ({samples}). Pass `batch_sizes`."
+            f"two probe batch sizes (at most {samples}). Pass `batch_sizes`."
         )
     return measurements[-_FITTED:]
 
@@ -335,10 +368,11 @@ def _fit_line(sizes, peaks) -> tuple[float, float]:
 class _Probe:
     """Trains a few steps at a batch size and reads the devices' peaks."""
 
-    def __init__(self, model, source, devices):
+    def __init__(self, model, source, devices, phase="training"):
         self.model = model
         self.source = source
         self.devices = devices
+        self.phase = phase
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
         self.state = _ModelState(model)
@@ -356,12 +390,7 @@ class _Probe:
                 device, include_limit=False
             ).current_bytes
         try:
-            self.model.fit(
-                **self.source.trial_arguments(batch_size, _PROBE_STEPS),
-                epochs=1,
-                verbose=0,
-                callbacks=[_ResetPeakAtFirstStep(self.devices)],
-            )
+            self._steps(batch_size)
         except Exception as err:
             if not memory.is_oom_error(err):
                 raise
@@ -389,6 +418,26 @@ class _Probe:
         )
         return batch_size, peaks[device], device
 
+    def _steps(self, batch_size: int) -> None:
+        """Runs `_PROBE_STEPS` steps of the phase at `batch_size`."""
+        arguments = self.source.trial_arguments(batch_size, _PROBE_STEPS)
+        callbacks = [_ResetPeakAtFirstStep(self.devices)]
+        if self.phase == "training":
+            self.model.fit(**arguments, epochs=1, verbose=0, callbacks=callbacks)
+            return
+        arguments.pop("shuffle", None)
+        steps = arguments.pop("steps_per_epoch", None)
+        if self.phase == "prediction":
+            for name in ("y", "sample_weight"):
+                arguments.pop(name, None)
+            self.model.predict(
+                **arguments, steps=steps, verbose=0, callbacks=callbacks
+            )
+        else:
+            self.model.evaluate(
+                **arguments, steps=steps, verbose=0, callbacks=callbacks
+            )
+
     def close(self) -> None:
         self.state.restore()
 
@@ -409,6 +458,9 @@ class _ResetPeakAtFirstStep(keras.callbacks.Callback):
         if batch == 0:
             for device in self.devices:
                 memory.reset_peak_memory(device)
+
+    on_test_batch_begin = on_train_batch_begin
+    on_predict_batch_begin = on_train_batch_begin
 
 
 class _ModelState:
