@@ -212,6 +212,7 @@ def conv_net_under_cap():
             dataset.batch,
             batch_size=1024,
             epochs=3,
+            preflight=False,  # This tests recovering from real errors.
             callbacks=[
                 # Certain to squeeze 512 out; 256 fits beside it, or else
                 # 128 does.
@@ -269,7 +270,12 @@ def accumulating_model_under_cap():
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     model = tfmemsafe.with_gradient_accumulation(_conv_net(), 2)
     history = tfmemsafe.fit(
-        model, dataset.batch, batch_size=1024, epochs=2, verbose=0
+        model,
+        dataset.batch,
+        batch_size=1024,
+        epochs=2,
+        preflight=False,
+        verbose=0,
     )
     return {
         "events": [dataclasses.asdict(e) for e in history.oom_events],
@@ -296,7 +302,7 @@ def model_too_big_for_the_cap():
     x = np.zeros((4, 512, 512, 3), "float32")
     y = np.zeros((4,), "int32")
     try:
-        tfmemsafe.fit(model, (x, y), batch_size=2, verbose=0)
+        tfmemsafe.fit(model, (x, y), batch_size=2, preflight=False, verbose=0)
     except tfmemsafe.OutOfMemoryError as err:
         return {
             "message": str(err),
@@ -356,7 +362,9 @@ def mirrored_strategy_under_cap():
     x, y = _images(2048)
     with strategy.scope():
         model = _conv_net()
-    too_large = tfmemsafe.fit(model, (x, y), batch_size=2048, verbose=0)
+    too_large = tfmemsafe.fit(
+        model, (x, y), batch_size=2048, preflight=False, verbose=0
+    )
     x, y = x[:1024], y[:1024]
     # Here the error is raised at an exact step, to compare the resumed
     # run with one that never failed.
@@ -370,6 +378,7 @@ def mirrored_strategy_under_cap():
         epochs=2,
         callbacks=[_RaiseOutOfMemory(("train", 1, 1))],
         shuffle=False,
+        preflight=False,
         verbose=0,
     )
     # Resumed at the failed step: epoch 1 is one batch of 512, then 256s.
@@ -1007,14 +1016,15 @@ class RealOutOfMemoryTest(tf.test.TestCase):
 
     def test_accumulating_model_keeps_its_effective_batch(self):
         result = self.result(accumulating_model_under_cap)
+        # One error at 1024, then 512, or a smaller size the memory
+        # estimate chose, with the accumulation steps doubled as often.
         [event] = result["events"]
-        self.assertEqual(
-            (event["batch_size_before"], event["batch_size_after"]),
-            (1024, 512),
-        )
-        self.assertEqual(event["accumulation_steps"], 4)
-        self.assertEqual(result["accumulation_steps"], 4)
-        self.assertEqual(result["batch_size"] * 4, 1024 * 2)
+        self.assertEqual(event["batch_size_before"], 1024)
+        self.assertIn(event["batch_size_after"], (512, 256, 128))
+        steps = 2 * 1024 // event["batch_size_after"]
+        self.assertEqual(event["accumulation_steps"], steps)
+        self.assertEqual(result["accumulation_steps"], steps)
+        self.assertEqual(result["batch_size"] * steps, 1024 * 2)
         self.assertEqual(result["iterations"], 2)
 
     def test_model_that_never_fits_raises_out_of_memory_error(self):
@@ -1058,12 +1068,11 @@ class RealOutOfMemoryTest(tf.test.TestCase):
 
     def test_global_batch_halves_under_a_mirrored_strategy(self):
         result = self.result(mirrored_strategy_under_cap)
-        # 2048 runs out; 1024 may too.
+        # 2048 runs out; recovery goes on at 1024, or at the smaller size
+        # the memory estimate predicts to fit; that may run out once more.
         event, *more = result["too_large_events"]
-        self.assertEqual(
-            (event["batch_size_before"], event["batch_size_after"]),
-            (2048, 1024),
-        )
+        self.assertEqual(event["batch_size_before"], 2048)
+        self.assertIn(event["batch_size_after"], (1024, 512, 256))
         self.assertLessEqual(len(more), 1)
         self.assertIn("OOM when allocating", event["error"])
 

@@ -47,7 +47,7 @@ class Decisions:
         whichever worker learnt of the error.
         """
         decision = {
-            "requested_batch_size": sizes.tried[0],
+            "requested_batch_size": sizes.requested,
             "tried": sizes.tried,
             "accumulation_steps": accumulation_steps,
         }
@@ -73,13 +73,13 @@ class Decisions:
                 continue
             with open(path) as f:
                 decision = json.load(f)
-            if decision["requested_batch_size"] != sizes.tried[0]:
+            if decision["requested_batch_size"] != sizes.requested:
                 logging.warning(
                     "tfmemsafe.fit: ignoring the batch size stored in %s, "
                     "decided for batch_size=%d: this run asks for %d.",
                     path,
                     decision["requested_batch_size"],
-                    sizes.tried[0],
+                    sizes.requested,
                 )
                 return
             sizes.tried = list(decision["tried"])

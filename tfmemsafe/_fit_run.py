@@ -24,6 +24,7 @@ from tfmemsafe._halving import Halving
 from tfmemsafe._halving import RetryBudget
 from tfmemsafe._halving import release
 from tfmemsafe._halving import retry_on_oom
+from tfmemsafe._planning import SizePlanner
 from tfmemsafe._resume import EpochStart
 from tfmemsafe._resume import Position
 from tfmemsafe._resume import ResumableCallbackList
@@ -58,6 +59,8 @@ class FitSettings:
         max_retries: int or `None`. How many errors to recover from.
         keep_effective_batch_size: bool. Whether to double the model's
             `accumulation_steps` when the training batch halves.
+        preflight: bool. Whether to estimate the training step's memory
+            before the first step and start at a size predicted to fit.
         verbose: `"auto"`, 0, 1 or 2.
         other_arguments: dict. The other `model.fit` arguments, passed to
             every attempt as they are.
@@ -74,8 +77,22 @@ class FitSettings:
     min_batch_size: int
     max_retries: int | None
     keep_effective_batch_size: bool
+    preflight: bool
     verbose: int | str
     other_arguments: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """What an out-of-memory error stopped, noted as it was caught."""
+
+    phase: str
+    epoch: int
+    step: int
+    batch_size_before: int
+    accumulation_steps_before: int | None
+    error: str
+    update_began: bool
 
 
 class FitRun:
@@ -110,6 +127,7 @@ class FitRun:
         self.validation_skip = None
         self.resume_refusal = ""
         self.guard = None
+        self.planner = SizePlanner(model, "tfmemsafe.fit")
         self.history = _fit_history(callbacks)
         self.decisions = _backup.Decisions(callbacks)
         self.decisions.load(self.sizes.train, model, accumulation_steps_of)
@@ -127,6 +145,8 @@ class FitRun:
         )
 
     def train(self) -> FitHistory:
+        if self.settings.preflight and not self.decisions.loaded:
+            self._preflight()
         self.guard = StepGuard(
             self.model,
             optimizers_of(self.model),
@@ -141,6 +161,48 @@ class FitRun:
         self.callbacks.end_run(self.position.last_logs)
         self.history.batch_size = self.sizes.train.batch_size
         return self.history
+
+    def _preflight(self) -> None:
+        """Starts at the largest halving predicted to fit, if not the size
+        asked for (before the callbacks start: estimating trains)."""
+        sizes = self.sizes.train
+        requested = sizes.batch_size
+        halvings = self.planner.halvings(
+            "training",
+            self.train_source,
+            requested,
+            sizes.floor,
+            largest_probe=requested // 2,
+        )
+        if not halvings:
+            return
+        predicted = self.planner.describe("training", requested)
+        steps_before = accumulation_steps_of(self.model)
+        accumulation_steps = self.sizes.shrink("training", halvings)
+        event = OOMEvent(
+            epoch=self.settings.initial_epoch,
+            step=0,
+            phase="preflight",
+            batch_size_before=requested,
+            batch_size_after=sizes.batch_size,
+            accumulation_steps=accumulation_steps,
+            error=predicted,
+            resumed_at_step=0,
+        )
+        self.history.oom_events.append(event)
+        start = f"{sizes.batch_size}"
+        if accumulation_steps and accumulation_steps != steps_before:
+            start += (
+                f" with accumulation steps {accumulation_steps} (the "
+                "effective batch is kept)"
+            )
+        logging.warning(
+            "tfmemsafe.fit: pre-flight check: batch size %d is predicted not "
+            "to fit (%s). Starting at %s.",
+            requested,
+            predicted,
+            start,
+        )
 
     def _begin(self) -> None:
         """Starts the run for the callbacks at the epoch to start at."""
@@ -245,23 +307,57 @@ class FitRun:
         epoch_logs.update({f"val_{name}": v for name, v in logs.items()})
         self.callbacks.on_epoch_end(epoch, epoch_logs)
 
-    def _on_oom(self, err: BaseException) -> OOMEvent:
+    def _on_oom(self, err: BaseException) -> _Failure:
         """Halves the failed phase's batch, or raises OutOfMemoryError."""
         strategy = self.model.distribute_strategy
         if distribute.is_multi_worker(strategy):
             raise self._stop_all_workers(err, strategy) from err
         try:
-            return self._next_sizes(err)
+            return self._halve(err)
         except OutOfMemoryError as gave_up:
             raise self._give_up(gave_up) from err
 
-    def _next_sizes(self, err: BaseException) -> OOMEvent:
+    def _halve(self, err: BaseException) -> _Failure:
+        """Halves the failed phase's batch once; notes what failed."""
         phase = self.position.phase
-        before, steps_before, accumulation_steps = self.sizes.halve(err, phase)
+        before, steps_before, _ = self.sizes.halve(err, phase)
+        return _Failure(
+            phase=phase,
+            epoch=self.position.epoch,
+            step=self.position.step,
+            batch_size_before=before,
+            accumulation_steps_before=steps_before,
+            error=_messages.error_line(err),
+            # Read now: estimating trains, and so sets the marker.
+            update_began=self.guard.touched(),
+        )
+
+    def _jump(self, failure: _Failure) -> None:
+        """Halves further, to the largest halving predicted to fit."""
+        phase = failure.phase
+        source = (
+            self.train_source if phase == "training" else self.validation_source
+        )
         sizes = self.sizes.of(phase)
+        halvings = self.planner.halvings(
+            phase,
+            source,
+            sizes.batch_size,
+            sizes.floor,
+            largest_probe=sizes.batch_size,
+        )
+        if halvings:
+            self.sizes.shrink(phase, halvings)
+
+    def _event(self, failure: _Failure) -> OOMEvent:
+        """Records the recovery from `failure` at the sizes now chosen."""
+        phase = failure.phase
+        sizes = self.sizes.of(phase)
+        steps_before = failure.accumulation_steps_before
+        accumulation_steps = accumulation_steps_of(self.model)
         resumed_at_step = None
         if phase == "training":
-            if self._can_resume(sizes.batch_size):
+            if self._can_resume(sizes.batch_size, failure.update_began):
                 resumed_at_step = self.position.steps_done
                 if steps_before and accumulation_steps:
                     _carry_partial_window(
@@ -279,23 +375,23 @@ class FitRun:
             ):
                 resumed_at_step = self.position.validation_steps_done
         event = OOMEvent(
-            epoch=self.position.epoch,
-            step=self.position.step,
+            epoch=failure.epoch,
+            step=failure.step,
             phase=phase,
-            batch_size_before=before,
+            batch_size_before=failure.batch_size_before,
             batch_size_after=sizes.batch_size,
             accumulation_steps=accumulation_steps,
-            error=_messages.error_line(err),
+            error=failure.error,
             resumed_at_step=resumed_at_step,
         )
         self.history.oom_events.append(event)
         return event
 
-    def _can_resume(self, batch_size: int) -> bool:
+    def _can_resume(self, batch_size: int, update_began: bool) -> bool:
         """Whether training can go on at the failed step (see the docs)."""
         if self.position.ending:
             self.resume_refusal = "it came after the epoch's last step"
-        elif self.guard.touched():
+        elif update_began:
             self.resume_refusal = "an update had begun when memory ran out"
         elif self.settings.steps_per_epoch is not None:
             self.resume_refusal = "`steps_per_epoch` is set"
@@ -308,8 +404,10 @@ class FitRun:
             return True
         return False
 
-    def _recover(self, event: OOMEvent) -> None:
-        """Makes the model ready to go on where `event` says."""
+    def _recover(self, failure: _Failure) -> None:
+        """Jumps to a size predicted to fit; goes on where it can."""
+        self._jump(failure)
+        event = self._event(failure)
         self.callbacks.abandon_attempt()
         self.position.abandon_attempt()
         self.resume_epoch = event.epoch
@@ -365,7 +463,7 @@ class FitRun:
         after = None
         if self.decisions.directories and self.position.phase == "training":
             try:
-                self._next_sizes(err)
+                self._event(self._halve(err))
             except OutOfMemoryError:
                 pass  # Nothing smaller to store: stop all the same.
             else:
@@ -426,16 +524,34 @@ class FitSizes:
         """
         steps_before = accumulation_steps_of(self.model)
         before = self.of(phase).halve(err)
-        steps = steps_before
-        if phase == "training":
-            if self.validation_follows_training:
-                self.validation.follow(self.train)
-            steps = self._keep_effective_batch(before, steps_before)
-        else:
-            self.validation_follows_training = False
-        return before, steps_before, steps
+        if phase == "training" and self.validation_follows_training:
+            self.validation.follow(self.train)
+        return before, steps_before, self._follow(phase, before, 2)
 
-    def _keep_effective_batch(self, before: int, steps: int | None):
+    def shrink(self, phase: str, halvings: int) -> int | None:
+        """Halves `phase`'s batch `halvings` more times, spending no retry.
+
+        Returns:
+            The model's accumulation steps after.
+        """
+        before = self.of(phase).batch_size
+        done = self.of(phase).shrink(halvings)
+        if not done:
+            return accumulation_steps_of(self.model)
+        if phase == "training" and self.validation_follows_training:
+            self.validation.tried[-1] = self.train.batch_size
+        return self._follow(phase, before, 2**done)
+
+    def _follow(self, phase: str, before: int, factor: int):
+        """The accumulation steps after `phase`'s batch was divided by
+        `factor`; doubles them for training (see `keep_effective_batch`)."""
+        steps = accumulation_steps_of(self.model)
+        if phase != "training":
+            self.validation_follows_training = False
+            return steps
+        return self._keep_effective_batch(before, steps, factor)
+
+    def _keep_effective_batch(self, before: int, steps: int | None, factor):
         after = self.train.batch_size
         if not self.keep_effective_batch_size:
             return steps
@@ -452,16 +568,16 @@ class FitSizes:
                     before,
                 )
             return None
-        self.model.accumulation_steps = steps * 2
-        if after * steps * 2 != before * steps:
+        self.model.accumulation_steps = steps * factor
+        if after * factor != before:
             logging.warning(
                 "tfmemsafe.fit: the effective batch changes from %d to %d "
                 "because batch size %d does not halve evenly.",
                 before * steps,
-                after * steps * 2,
+                after * steps * factor,
                 before,
             )
-        return steps * 2
+        return steps * factor
 
 
 def _with_state(error: OutOfMemoryError, state: str, model) -> OutOfMemoryError:

@@ -108,7 +108,9 @@ class Halving:
     Attributes:
         phase: str. `"training"`, `"validation"`, `"evaluation"` or
             `"prediction"`, for messages.
-        tried: list of int. The batch sizes used, the current one last.
+        requested: int. The batch size asked for, which `steps` count in.
+        tried: list of int. The batch sizes used, the current one last
+            (a pre-flight check may have replaced the one asked for).
         floor: int. The smallest batch size allowed.
         min_batch_size: int. The user's `min_batch_size`, for messages.
         budget: RetryBudget. Spent by each halving.
@@ -124,6 +126,7 @@ class Halving:
         budget: RetryBudget,
     ):
         self.phase = phase
+        self.requested = batch_size
         self.tried = [batch_size]
         self.floor = batch_floor(model, min_batch_size)
         self.min_batch_size = min_batch_size
@@ -137,11 +140,26 @@ class Halving:
         """Steps that cover the same samples at the current batch size."""
         if steps is None:
             return None
-        return math.ceil(steps * self.tried[0] / self.tried[-1])
+        return math.ceil(steps * self.requested / self.tried[-1])
 
     def follow(self, other: Halving) -> None:
         """Takes `other`'s batch size, without spending the budget."""
         self.tried.append(other.batch_size)
+
+    def shrink(self, halvings: int) -> int:
+        """Halves `halvings` more times within the last retry.
+
+        The jump to a size predicted to fit: it spends no budget and
+        stops at the floor.
+
+        Returns:
+            The halvings done.
+        """
+        done = 0
+        while done < halvings and self.batch_size // 2 >= self.floor:
+            self.tried[-1] //= 2
+            done += 1
+        return done
 
     def halve(self, err: BaseException) -> int:
         """Halves the batch size, or raises OutOfMemoryError from `err`.

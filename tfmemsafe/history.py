@@ -9,23 +9,30 @@ import keras
 
 @dataclasses.dataclass(frozen=True)
 class OOMEvent:
-    """An out-of-memory error that `tfmemsafe.fit` recovered from.
+    """An out-of-memory error that `tfmemsafe.fit` recovered from, or one
+    its pre-flight check predicted and avoided.
 
     `str(event)` is one line, e.g. `"epoch 1, training step 0: batch size
-    256 -> 128, accumulation steps 2"` (the epoch counted from 1).
+    256 -> 128, accumulation steps 2"` (the epoch counted from 1), or
+    `"epoch 1, pre-flight check: batch size 1024 -> 128, accumulation
+    steps 8"`.
 
     Attributes:
         epoch: int. The epoch that failed, counted from 0 as Keras
             callbacks count.
         step: int. The batch within the epoch (or within its validation)
             that was running.
-        phase: str. `"training"` or `"validation"`.
+        phase: str. `"training"` or `"validation"` for an error suffered;
+            `"preflight"` for one predicted before the first step, which
+            never ran at `batch_size_before`.
         batch_size_before: int. The batch size that ran out of memory.
         batch_size_after: int. The batch size used from then on.
         accumulation_steps: int or `None`. The model's
             `accumulation_steps` after recovery; `None` for a model
             without gradient accumulation.
-        error: str. The line of the error that says what ran out.
+        error: str. The line of the error that says what ran out; for a
+            pre-flight event, the prediction (`"peak 812.3 MiB predicted
+            against 90% of 450.0 MiB on CPU:0"`).
         resumed_at_step: int or `None`. The step of the epoch (or of its
             validation) that training went on at, counted in batches of
             any size; `None` when the epoch started again from its first
@@ -47,8 +54,11 @@ class OOMEvent:
             if self.accumulation_steps is None
             else f", accumulation steps {self.accumulation_steps}"
         )
+        where = f"{self.phase} step {self.step}"
+        if self.phase == "preflight":
+            where = "pre-flight check"
         return (
-            f"epoch {self.epoch + 1}, {self.phase} step {self.step}: batch "
+            f"epoch {self.epoch + 1}, {where}: batch "
             f"size {self.batch_size_before} -> {self.batch_size_after}"
             f"{accumulation}"
         )
@@ -67,7 +77,8 @@ class FitHistory(keras.callbacks.History):
 
     Attributes:
         oom_events: list of `OOMEvent`. The out-of-memory errors recovered
-            from, in order.
+            from, in order, after the pre-flight check's event if it
+            changed the batch size (`phase == "preflight"`).
         batch_size: int or `None`. The training batch size `fit` ended
             with; `None` until it has ended.
 

@@ -24,6 +24,7 @@ from tfmemsafe._fit_run import FitSettings
 from tfmemsafe._halving import Halving
 from tfmemsafe._halving import RetryBudget
 from tfmemsafe._halving import retry_on_oom
+from tfmemsafe._planning import SizePlanner
 from tfmemsafe._resume import PredictionProgress
 from tfmemsafe._sources import source_for
 from tfmemsafe.batch_search import find_max_batch_size
@@ -44,6 +45,7 @@ def fit(
     min_batch_size: int = 1,
     keep_effective_batch_size: bool = True,
     max_retries: int | None = None,
+    preflight: bool = True,
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose="auto",
     **fit_kwargs,
@@ -54,11 +56,15 @@ def fit(
     epoch, raises an out-of-memory error (`tfmemsafe.is_oom_error`), it:
 
     1. logs one line: the epoch, the step, the batch size before and after
-       and the accumulation steps;
+       and the accumulation steps (see 3 for the size after);
     2. frees what it can: the failed iterator, the compiled train, test and
        predict functions (they are traced again at the new shapes), and
        Python garbage;
-    3. halves the batch size of the phase that failed. For an
+    3. halves the batch size of the phase that failed, or, when a memory
+       estimate of the phase's step (`tfmemsafe.estimate_memory`, made
+       now if not before) predicts that half still does not fit, jumps
+       to the largest halving predicted to leave 10% of the device's
+       limit free: one retry, not one per error. For an
        `AccumulatingModel` with `keep_effective_batch_size=True`, it
        doubles `accumulation_steps` so each update averages as many
        samples as before; for other models it warns once that the
@@ -73,6 +79,14 @@ def fit(
        begun its update, it restores the state the epoch started with and
        starts the epoch again (see docs/oom-recovery.md).
 
+    Before the first step (`preflight=True`), it estimates the training
+    step's memory; when the batch size asked for is predicted not to fit,
+    it starts at the largest halving predicted to fit, as recovery would
+    (doubling `accumulation_steps`), logs one line and records an
+    `OOMEvent` with `phase="preflight"`. Where the device keeps no memory
+    statistics or its limit is unknown, or on a multi-worker job, there is
+    no estimate and it halves once per error (docs/memory-estimate.md).
+
     The same callback objects see every attempt as one run: each gets
     `on_train_begin` once and `on_train_end` once, at the end, so
     `EarlyStopping`'s patience, `CSVLogger`'s open file, `History` and
@@ -86,7 +100,8 @@ def fit(
             `tf.data.Dataset` (rebatched), or a tuple `(x, y)` or
             `(x, y, sample_weight)` of arrays.
         batch_size: int, `"auto"` or `None`. The (global) batch size to
-            start at. `"auto"` uses `find_max_batch_size`. `None` means
+            start at. `"auto"` uses `find_max_batch_size` (and no
+            pre-flight check: its size was tried). `None` means
             the batch size of a batched dataset, else 32; a callable
             needs one.
         epochs: int. The number of epochs; with `initial_epoch`, the
@@ -100,6 +115,11 @@ def fit(
             `True`.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
+        preflight: bool. Whether to estimate the training step's memory
+            before the first step and start at a size predicted to fit.
+            Defaults to `True`; it costs a few short training steps at
+            small batch sizes (docs/benchmarks.md), and does nothing where
+            no estimate can be made.
         callbacks: list of `keras.callbacks.Callback`. Passed to every
             attempt, `tfmemsafe.MemoryMonitor`s first so that the callbacks
             after them see `memory_peak_mb` in the epoch logs.
@@ -149,9 +169,11 @@ def fit(
         validation_source = source_for(
             validation_data, "validation_data", labelled=True
         )
+    preflight = _checks.boolean("preflight", preflight)
     if batch_size == "auto":
         batch_size = find_max_batch_size(model, data)
         logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
+        preflight = False
     other_arguments = dict(fit_kwargs)
     settings = FitSettings(
         train_source=train_source,
@@ -167,6 +189,7 @@ def fit(
         min_batch_size=min_batch_size,
         max_retries=max_retries,
         keep_effective_batch_size=keep_effective_batch_size,
+        preflight=preflight,
         verbose=verbose,
         other_arguments=other_arguments,
     )
@@ -200,7 +223,9 @@ def evaluate(
 
     Like `model.evaluate`. An out-of-memory error starts the evaluation
     again from the first batch at half the batch size (and twice the
-    `steps`), so the metrics always cover the whole data once.
+    `steps`), so the metrics always cover the whole data once; or, when a
+    memory estimate of the evaluation step predicts that half does not
+    fit either, at the largest halving predicted to fit (as in `fit`).
 
     Args:
         model: A compiled `keras.Model`.
@@ -250,7 +275,10 @@ def evaluate(
             return_dict=return_dict,
         )
 
+    planner = SizePlanner(model, "tfmemsafe.evaluate")
+
     def recover(batch_size_before: int) -> None:
+        _jump(planner, sizes, source)
         logging.warning(
             "tfmemsafe.evaluate: out of memory at batch size %d; starting "
             "again at %d.",
@@ -276,7 +304,9 @@ def predict(
     Like `model.predict`, and it returns every sample once, in order, even
     when it had to halve midway: the batches finished before an
     out-of-memory error are kept (moved to host memory), and prediction
-    goes on from the first sample that was not finished. A dataset or a
+    goes on from the first sample that was not finished (at half the
+    batch size, or at the largest halving a memory estimate of the
+    prediction step predicts to fit, as in `fit`). A dataset or a
     callable's dataset must therefore give the same samples in the same
     order each time (no shuffling), and be finite.
 
@@ -327,8 +357,12 @@ def predict(
         )
         return progress.all_outputs(outputs)
 
+    planner = SizePlanner(model, "tfmemsafe.predict")
+
     def recover(batch_size_before: int):
         progress.keep_finished()
+        if not progress.ended:
+            _jump(planner, sizes, source)
         logging.warning(
             "tfmemsafe.predict: out of memory at batch size %d after %d "
             "samples; going on at %d.",
@@ -341,6 +375,19 @@ def predict(
         return None
 
     return retry_on_oom(model, attempt, sizes.halve, recover)
+
+
+def _jump(planner: SizePlanner, sizes: Halving, source) -> None:
+    """Halves `sizes` further to the largest halving predicted to fit."""
+    sizes.shrink(
+        planner.halvings(
+            sizes.phase,
+            source,
+            sizes.batch_size,
+            sizes.floor,
+            largest_probe=sizes.batch_size,
+        )
+    )
 
 
 def _check_limits(min_batch_size, max_retries) -> None:
