@@ -15,6 +15,7 @@ from tfmemsafe import memory
 from tfmemsafe._halving import batch_floor
 from tfmemsafe._halving import release
 from tfmemsafe._halving import retry_on_oom
+from tfmemsafe._planning import SizePlanner
 from tfmemsafe._resume import Snapshot
 from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
@@ -34,7 +35,17 @@ def find_max_batch_size(
 ) -> int:
     """Finds the largest batch size that trains with memory to spare.
 
-    Trains `steps_per_trial` steps at `start`, then at twice that, and so
+    First it estimates the training step's memory
+    (`tfmemsafe.estimate_memory`: a few short steps at small batch sizes)
+    and trains `steps_per_trial` steps at the largest batch predicted to
+    leave `headroom` of the device's limit free (rounded down to a
+    multiple of 8, at most `max_batch_size` or the number of samples).
+    When that trial confirms it, that is the answer: no size ran out of
+    memory. When the trial disagrees, the search goes on below it; when
+    no estimate can be made (see docs/memory-estimate.md), it searches by
+    trial from `start`.
+
+    The search by trial trains at `start`, then at twice that, and so
     on, until a size runs out of memory, or its peak memory (read with
     `tfmemsafe.memory_info`) leaves less than `headroom` of the device's
     limit free, or `max_batch_size` (or the number of samples) is reached.
@@ -54,7 +65,8 @@ def find_max_batch_size(
     Args:
         model: A compiled `keras.Model`.
         data: Training data of any kind `tfmemsafe.fit` accepts.
-        start: int. The first batch size to try. Defaults to 32.
+        start: int. The first batch size of the search by trial.
+            Defaults to 32.
         max_batch_size: int. The largest batch size to try. Defaults to
             4096.
         steps_per_trial: int. Training steps per batch size tried.
@@ -93,6 +105,12 @@ def _search(model, source, start, max_batch_size, steps, headroom) -> int:
     try:
         good = bad = None
         size = start
+        predicted = _predicted_size(model, source, largest, multiple, headroom)
+        if predicted is not None:
+            if trial.fits(predicted):
+                good = bad = predicted  # Confirmed: no search.
+            else:
+                bad, size = predicted, max(multiple, predicted // 2)
         while good is None:  # Halve down until something fits.
             smallest = size // 2 < multiple
             if trial.fits(size, last_chance=smallest):
@@ -128,6 +146,30 @@ def _search(model, source, start, max_batch_size, steps, headroom) -> int:
         _messages.format_sizes(trial.tried),
     )
     return good
+
+
+def _predicted_size(model, source, largest, multiple, headroom) -> int | None:
+    """The largest batch a memory estimate predicts to leave `headroom`
+    free, rounded down to a multiple of 8 (or of the replicas); `None`
+    without an estimate or when not even the smallest is predicted to fit.
+    """
+    estimate = SizePlanner(model, "tfmemsafe.find_max_batch_size").estimate(
+        "training", source, largest
+    )
+    if estimate is None:
+        return None
+    size = min(
+        estimate.max_batch_size(headroom=headroom, multiple=multiple), largest
+    )
+    if size < multiple:
+        return None
+    rounded = size - size % 8
+    if rounded >= multiple and rounded % multiple == 0:
+        size = rounded
+    logging.info(
+        "tfmemsafe.find_max_batch_size: the memory estimate predicts %d.", size
+    )
+    return size
 
 
 class _Trial:
