@@ -1,0 +1,256 @@
+"""Tests for tfmemsafe._planning: batch sizes predicted to fit.
+
+`fit`'s pre-flight check and the jump after an out-of-memory error, in
+`fit`, `evaluate` and `find_max_batch_size`. `RealCapTest` runs each
+scenario in its own process under a real allocator cap, all at once (their
+ten-second allocator waits overlap), and counts the allocator's own
+out-of-memory reports in the child's standard error.
+"""
+
+import concurrent.futures
+import dataclasses
+import os
+import tempfile
+
+# The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
+# be chosen before TensorFlow is imported.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmemsafe  # noqa: E402
+from tfmemsafe import testing  # noqa: E402
+
+# Under this cap the conv net trains at 512 (173 MiB at the peak) and runs
+# out at 1024.
+_CAP_MB = 300
+# What TensorFlow's BFC allocator logs each time an allocation fails.
+_ALLOCATOR_FAILURE = "ran out of memory trying to allocate"
+
+
+def _conv_net(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((32, 32, 3)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, padding="same"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _images(rows):
+    x = np.random.default_rng(0).normal(size=(rows, 32, 32, 3))
+    x = x.astype("float32")
+    y = (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
+    return x, y
+
+
+def _repeated(rows, times):
+    """A callable `batch_size -> dataset` of `rows` images `times` over."""
+    dataset = tf.data.Dataset.from_tensor_slices(_images(rows))
+    return lambda batch_size: dataset.repeat(times).batch(batch_size)
+
+
+def _counting_allocator_failures(run):
+    """Runs `run()`; returns its result and the allocator's failures."""
+    with tempfile.TemporaryFile("w+") as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            result = run()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        return result, log.read().count(_ALLOCATOR_FAILURE)
+
+
+def eightfold_batch_under_cap(preflight):
+    """`fit` asked for 4096, eight times the 512 that fits."""
+    model = tfmemsafe.with_gradient_accumulation(_conv_net(), 1)
+    history, failures = _counting_allocator_failures(
+        lambda: tfmemsafe.fit(
+            model,
+            _repeated(2048, 4),
+            batch_size=4096,
+            preflight=preflight,
+            verbose=0,
+        )
+    )
+    return {
+        "events": [dataclasses.asdict(e) for e in history.oom_events],
+        "texts": [str(e) for e in history.oom_events],
+        "failures": failures,
+        "accumulation_steps": model.accumulation_steps,
+        "batch_size": history.batch_size,
+        # One update per 4096 samples: two in the epoch of 8192.
+        "iterations": int(model.optimizer.iterations),
+        "loss": history.history["loss"],
+    }
+
+
+def evaluation_and_search_under_cap():
+    """`evaluate` at eight times what fits; `find_max_batch_size`."""
+    model = _conv_net()
+    data = _repeated(2048, 4)
+    logs, evaluate_failures = _counting_allocator_failures(
+        lambda: tfmemsafe.evaluate(
+            model, data, batch_size=8192, return_dict=True, verbose=0
+        )
+    )
+    reference = model.evaluate(data(256), return_dict=True, verbose=0)
+    size, search_failures = _counting_allocator_failures(
+        lambda: tfmemsafe.find_max_batch_size(model, data)
+    )
+    return {
+        "evaluate_failures": evaluate_failures,
+        "loss": logs["loss"],
+        "reference_loss": reference["loss"],
+        "size": size,
+        "search_failures": search_failures,
+    }
+
+
+class RealCapTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        scenarios = {
+            "preflight": (eightfold_batch_under_cap, [True]),
+            "no_preflight": (eightfold_batch_under_cap, [False]),
+            "evaluation_and_search": (evaluation_and_search_under_cap, []),
+        }
+        cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios))
+        cls._results = {
+            name: cls._pool.submit(
+                testing.run_with_memory_cap, target, _CAP_MB, args=args
+            )
+            for name, (target, args) in scenarios.items()
+        }
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._pool.shutdown(wait=True)
+        super().tearDownClass()
+
+    def result(self, name):
+        return self._results[name].result()
+
+    def test_preflight_starts_at_a_size_that_fits_without_any_oom(self):
+        result = self.result("preflight")
+        self.assertEqual(result["failures"], 0, msg=result)
+        [event] = result["events"]
+        self.assertEqual(event["phase"], "preflight")
+        self.assertEqual(event["batch_size_before"], 4096)
+        # 1024 runs out under the cap; 512 fits.
+        self.assertIn(event["batch_size_after"], (512, 256, 128))
+        self.assertIn("predicted against 90% of 300.0 MiB", event["error"])
+        self.assertStartsWith(
+            result["texts"][0], "epoch 1, pre-flight check: batch size 4096 ->"
+        )
+
+    def test_preflight_keeps_the_effective_batch(self):
+        result = self.result("preflight")
+        [event] = result["events"]
+        steps = 4096 // event["batch_size_after"]
+        self.assertEqual(event["accumulation_steps"], steps)
+        self.assertEqual(result["accumulation_steps"], steps)
+        self.assertEqual(result["batch_size"] * steps, 4096)
+        self.assertEqual(result["iterations"], 2)
+        self.assertTrue(np.isfinite(result["loss"]).all())
+
+    def test_without_preflight_one_oom_jumps_to_a_size_that_fits(self):
+        result = self.result("no_preflight")
+        self.assertEqual(result["failures"], 1, msg=result)
+        [event] = result["events"]
+        self.assertEqual(event["phase"], "training")
+        self.assertEqual(event["batch_size_before"], 4096)
+        self.assertIn(event["batch_size_after"], (512, 256, 128))
+        self.assertIn("OOM when allocating", event["error"])
+        steps = 4096 // event["batch_size_after"]
+        self.assertEqual(result["accumulation_steps"], steps)
+        self.assertEqual(result["iterations"], 2)
+
+    def test_evaluate_jumps_after_one_oom(self):
+        result = self.result("evaluation_and_search")
+        self.assertEqual(result["evaluate_failures"], 1, msg=result)
+        self.assertAllClose(
+            result["loss"], result["reference_loss"], rtol=1e-4
+        )
+
+    def test_find_max_batch_size_confirms_the_estimate_without_oom(self):
+        result = self.result("evaluation_and_search")
+        self.assertEqual(result["search_failures"], 0, msg=result)
+        # 512 fits and 1024 does not, with 10% headroom to leave.
+        self.assertBetween(result["size"], 384, 1024)
+
+
+class PreflightTest(tf.test.TestCase):
+    def test_a_batch_that_fits_trains_exactly_as_without_preflight(self):
+        if tfmemsafe.memory_info("CPU:0").peak_bytes is None:
+            self.skipTest("CPU:0 keeps no allocator statistics here")
+        x, y = _images(64)
+        runs = []
+        for preflight in (True, False):
+            model = _conv_net()
+            history = tfmemsafe.fit(
+                model,
+                (x, y),
+                batch_size=16,
+                epochs=2,
+                preflight=preflight,
+                verbose=0,
+            )
+            runs.append((model, history))
+        (with_check, history), (without, plain) = runs
+        self.assertEqual(history.oom_events, [])
+        self.assertEqual(history.batch_size, 16)
+        self.assertAllClose(history.history["loss"], plain.history["loss"])
+        for a, b in zip(
+            with_check.variables + with_check.optimizer.variables,
+            without.variables + without.optimizer.variables,
+            strict=True,
+        ):
+            self.assertAllEqual(a, b)
+
+    def test_without_statistics_fit_trains_with_no_estimate(self):
+        result = testing.run_in_subprocess(
+            _fit_without_statistics,
+            env={
+                "TF_CPU_ALLOCATOR_USE_BFC": "false",
+                "TF_ENABLE_ONEDNN_OPTS": "0",
+                "CUDA_VISIBLE_DEVICES": "",
+            },
+        )
+        self.assertEqual(result["events"], 0)
+        self.assertEqual(result["epochs"], [0])
+
+    def test_preflight_must_be_a_bool(self):
+        x, y = _images(8)
+        with self.assertRaisesRegex(
+            ValueError, r"^`preflight` must be True or False\. Received: "
+        ):
+            tfmemsafe.fit(_conv_net(), (x, y), preflight="yes")
+
+
+def _fit_without_statistics():
+    x, y = _images(32)
+    history = tfmemsafe.fit(_conv_net(), (x, y), batch_size=8, verbose=0)
+    return {"events": len(history.oom_events), "epochs": history.epoch}
+
+
+if __name__ == "__main__":
+    tf.test.main()
