@@ -6,14 +6,19 @@ a conv net (two 3x3 convolutions of 16 channels, max pooling, one of 32,
 global pooling, a dense head) on random 64x64x3 images for `--epochs`:
 
 - `model.fit`: Keras, started at `--batch_size`, a size that fits.
-- `tfmemsafe.fit`: started at `--oversize` times that (8x by default); it
-  runs out at 8x, 4x and 2x, and goes on at the size that fits.
+- `tfmemsafe.fit`: started at `--oversize` times that (8x by default),
+  with its pre-flight check (the default): it estimates the step's memory
+  and starts at the largest halving predicted to fit, so no OOM.
+- `tfmemsafe.fit, no pre-flight`: `preflight=False`; it runs out once at
+  8x, estimates, and jumps to the largest halving predicted to fit.
 - `tfmemsafe.fit(auto)`: `batch_size="auto"`, which runs
   `find_max_batch_size` first (run once, after the rounds).
 
-Each run is a fresh process under the same cap. The first two variants
-alternate for `--rounds` rounds (their order swapped every round, so both
-see the same machine load on average); the ratios are per round. Besides
+Each run is a fresh process under the same cap. The first three variants
+take turns for `--rounds` rounds (their order rotated every round, so all
+see the same machine load on average); the ratios are per round. The
+allocator OOMs column counts the allocator's own reports of a failed
+allocation (`tfmemsafe.testing.AllocatorFailures`). Besides
 wall time, the table gives the process's CPU time, which other work on a
 shared machine disturbs less, and breaks the extra time of
 `tfmemsafe.fit` down with a callback that stamps every epoch and step:
@@ -50,11 +55,17 @@ _OVERSIZE = flags.DEFINE_integer(
 )
 _CAP_MB = flags.DEFINE_integer("cap_mb", 450, "The allocator's limit in MB.")
 _ROUNDS = flags.DEFINE_integer(
-    "rounds", 2, "Rounds of model.fit and tfmemsafe.fit, alternating."
+    "rounds", 2, "Rounds of model.fit and the two tfmemsafe.fit, in turn."
 )
 _AUTO = flags.DEFINE_bool("auto", True, "Also run tfmemsafe.fit(auto) once.")
 
-VARIANTS = ("model.fit", "tfmemsafe.fit", "tfmemsafe.fit(auto)")
+VARIANTS = (
+    "model.fit",
+    "tfmemsafe.fit",
+    "tfmemsafe.fit, no pre-flight",
+    "tfmemsafe.fit(auto)",
+)
+_ROTATED = VARIANTS[:3]
 
 
 def build_model():
@@ -97,6 +108,7 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
 
     import tfmemsafe
     from tfmemsafe import _resume
+    from tfmemsafe import testing
 
     class Timeline(keras.callbacks.Callback):
         def __init__(self):
@@ -121,31 +133,34 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
     if variant != "model.fit":
         result["allocator_wait"] = allocator_wait_seconds(cap_mb)
     start, cpu_start = time.perf_counter(), time.process_time()
-    if variant == "model.fit":
-        model.fit(
-            x,
-            y,
-            batch_size=batch_size,
-            epochs=epochs,
-            callbacks=[timeline],
-            verbose=0,
-        )
-        result["final_batch_size"] = batch_size
-    else:
-        history = tfmemsafe.fit(
-            model,
-            (x, y),
-            batch_size="auto"
-            if variant.endswith("(auto)")
-            else batch_size * oversize,
-            epochs=epochs,
-            callbacks=[timeline],
-            verbose=0,
-        )
-        result["oom_events"] = len(history.oom_events)
-        result["final_batch_size"] = history.batch_size
-    result["wall"] = time.perf_counter() - start
-    result["cpu"] = time.process_time() - cpu_start
+    with testing.AllocatorFailures() as failures:
+        if variant == "model.fit":
+            model.fit(
+                x,
+                y,
+                batch_size=batch_size,
+                epochs=epochs,
+                callbacks=[timeline],
+                verbose=0,
+            )
+            result["final_batch_size"] = batch_size
+        else:
+            history = tfmemsafe.fit(
+                model,
+                (x, y),
+                batch_size="auto"
+                if variant.endswith("(auto)")
+                else batch_size * oversize,
+                epochs=epochs,
+                preflight=not variant.endswith("no pre-flight"),
+                callbacks=[timeline],
+                verbose=0,
+            )
+            result["oom_events"] = len(history.oom_events)
+            result["final_batch_size"] = history.batch_size
+        result["wall"] = time.perf_counter() - start
+        result["cpu"] = time.process_time() - cpu_start
+    result["allocator_ooms"] = failures.count
     copy_start = time.perf_counter()
     _resume.Snapshot(model)  # What fit copies at each epoch's start.
     result["state_copies"] = epochs * (time.perf_counter() - copy_start)
@@ -204,9 +219,9 @@ def main(argv):
         return result
 
     runs = {variant: [] for variant in VARIANTS}
-    pair = list(VARIANTS[:2])
     for round_index in range(_ROUNDS.value):
-        for variant in pair if round_index % 2 == 0 else pair[::-1]:
+        turn = round_index % len(_ROTATED)
+        for variant in _ROTATED[turn:] + _ROTATED[:turn]:
             runs[variant].append(run(variant))
     if _AUTO.value:
         runs[VARIANTS[2]].append(run(VARIANTS[2]))
@@ -222,10 +237,11 @@ def main(argv):
     )
     print(
         "| variant | final batch | wall s | vs model.fit | CPU s "
-        "| vs model.fit | OOMs | allocator wait s | failed steps s "
-        "| lost partial epochs s | before epoch 0 s | state copies s |"
+        "| vs model.fit | allocator OOMs | events | allocator wait s "
+        "| failed steps s | lost partial epochs s | before epoch 0 s "
+        "| state copies s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant, results in runs.items():
         if not results:
             continue
@@ -244,13 +260,13 @@ def main(argv):
         def median_of(key, results=results):
             return statistics.median(r[key] for r in results)
 
-        oom_events = median_of("oom_events")
+        ooms = median_of("allocator_ooms")
         print(
             f"| {variant} | {results[-1]['final_batch_size']} "
             f"| {median_of('wall'):.1f} | {wall_ratio:.2f} "
             f"| {median_of('cpu'):.1f} | {cpu_ratio:.2f} "
-            f"| {oom_events:g} "
-            f"| {oom_events * median_of('allocator_wait'):.1f} "
+            f"| {ooms:g} | {median_of('oom_events'):g} "
+            f"| {ooms * median_of('allocator_wait'):.1f} "
             f"| {median_of('failed_steps'):.1f} "
             f"| {median_of('lost_epochs'):.1f} "
             f"| {median_of('setup'):.1f} "
@@ -261,10 +277,14 @@ def main(argv):
         print()
         print(
             f"One failing allocation took {statistics.median(waits):.1f} s. "
-            "Per-round wall ratios of tfmemsafe.fit: "
-            + ", ".join(
-                f"{r['wall'] / b['wall']:.2f}"
-                for r, b in zip(runs["tfmemsafe.fit"], baseline, strict=True)
+            "Per-round wall ratios: "
+            + "; ".join(
+                f"{variant} "
+                + ", ".join(
+                    f"{r['wall'] / b['wall']:.2f}"
+                    for r, b in zip(runs[variant], baseline, strict=True)
+                )
+                for variant in _ROTATED[1:]
             )
             + "."
         )

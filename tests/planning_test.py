@@ -10,7 +10,6 @@ out-of-memory reports in the child's standard error.
 import concurrent.futures
 import dataclasses
 import os
-import tempfile
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
 # be chosen before TensorFlow is imported.
@@ -26,8 +25,6 @@ from tfmemsafe import testing  # noqa: E402
 # Under this cap the conv net trains at 512 (173 MiB at the peak) and runs
 # out at 1024.
 _CAP_MB = 300
-# What TensorFlow's BFC allocator logs each time an allocation fails.
-_ALLOCATOR_FAILURE = "ran out of memory trying to allocate"
 
 
 def _conv_net(seed=0):
@@ -66,16 +63,9 @@ def _repeated(rows, times):
 
 def _counting_allocator_failures(run):
     """Runs `run()`; returns its result and the allocator's failures."""
-    with tempfile.TemporaryFile("w+") as log:
-        saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
-        try:
-            result = run()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        log.seek(0)
-        return result, log.read().count(_ALLOCATOR_FAILURE)
+    with testing.AllocatorFailures() as failures:
+        result = run()
+    return result, failures.count
 
 
 def eightfold_batch_under_cap(preflight):

@@ -40,13 +40,22 @@ def _oom_then_recover():
 
     import tfmemsafe
 
-    try:
-        _train_conv_net(1024)
-    except tf.errors.ResourceExhaustedError as err:
-        classified = tfmemsafe.is_oom_error(err)
-    else:
-        return {"oom": False}
-    return {"oom": True, "classified": classified, "loss": _train_conv_net(128)}
+    with testing.AllocatorFailures() as failures:
+        try:
+            _train_conv_net(1024)
+        except tf.errors.ResourceExhaustedError as err:
+            classified = tfmemsafe.is_oom_error(err)
+        else:
+            return {"oom": False}
+    with testing.AllocatorFailures() as none:
+        loss = _train_conv_net(128)
+    return {
+        "oom": True,
+        "classified": classified,
+        "loss": loss,
+        "failures": failures.count,
+        "failures_after": none.count,
+    }
 
 
 def _add(a, b, *, scale=1):
@@ -82,6 +91,10 @@ class MemoryCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertTrue(result["oom"])
         self.assertTrue(result["classified"])
         self.assertTrue(result["loss"] > 0)
+        # The allocator reported the failed allocation once, and none at
+        # the smaller batch.
+        self.assertEqual(result["failures"], 1)
+        self.assertEqual(result["failures_after"], 0)
 
     def test_cap_environment_is_set_in_the_child(self):
         self.assertEqual(

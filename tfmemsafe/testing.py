@@ -7,7 +7,8 @@ process. Tests of that state, and tests that need a genuine
 child process. `run_with_memory_cap` starts one whose CPU allocator is
 capped, so TensorFlow really runs out of memory, and raises the error
 back in the parent where `tfmemsafe.is_oom_error` recognises it.
-`run_workers` starts a local multi-worker cluster of such processes.
+`run_workers` starts a local multi-worker cluster of such processes, and
+`AllocatorFailures` counts the allocator's own out-of-memory reports.
 """
 
 from __future__ import annotations
@@ -79,6 +80,51 @@ class SubprocessError(RuntimeError):
         self.returncode = returncode
         self.stderr = stderr
         self.stdout = stdout
+
+
+class AllocatorFailures:
+    """Counts the allocations TensorFlow's BFC allocator failed.
+
+    A context manager. While it is active, this process's standard error
+    (where TensorFlow's C++ logging writes) goes to a temporary file; on
+    exit the file is written back to standard error and `count` is the
+    number of the allocator's "ran out of memory trying to allocate"
+    reports in it: one per failed allocation, each having waited about
+    ten seconds, whether or not anything caught the error.
+
+    Attributes:
+        count: int or `None`. The failures; `None` until it exits.
+
+    Example:
+    >>> with tfmemsafe.testing.AllocatorFailures() as failures:
+    ...     tfmemsafe.fit(model, (x, y), batch_size=4096)
+    >>> failures.count
+    0
+    """
+
+    REPORT = "ran out of memory trying to allocate"
+
+    def __init__(self):
+        self.count = None
+        self._log = None
+        self._saved = None
+
+    def __enter__(self) -> AllocatorFailures:
+        sys.stderr.flush()
+        self._log = tempfile.TemporaryFile("w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._log.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._log.seek(0)
+        text = self._log.read()
+        self._log.close()
+        os.write(2, text)
+        self.count = text.decode(errors="replace").count(self.REPORT)
 
 
 def memory_cap_environment(cap_mb: int) -> dict[str, str]:
