@@ -18,6 +18,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
 
 import tfmemsafe  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
@@ -188,7 +189,7 @@ class RealCapTest(tf.test.TestCase):
         self.assertBetween(result["size"], 384, 1024)
 
 
-class PreflightTest(tf.test.TestCase):
+class PreflightTest(parameterized.TestCase, tf.test.TestCase):
     def test_a_batch_that_fits_trains_exactly_as_without_preflight(self):
         if tfmemsafe.memory_info("CPU:0").peak_bytes is None:
             self.skipTest("CPU:0 keeps no allocator statistics here")
@@ -228,12 +229,49 @@ class PreflightTest(tf.test.TestCase):
         self.assertEqual(result["events"], 0)
         self.assertEqual(result["epochs"], [0])
 
-    def test_preflight_must_be_a_bool(self):
+    def test_memory_estimate_false_runs_no_probe(self):
+        if tfmemsafe.memory_info("CPU:0").peak_bytes is None:
+            self.skipTest("CPU:0 keeps no allocator statistics here")
+        x, y = _images(64)
+        passes = {}
+        for memory_estimate in (True, False):
+            # Counts samples through the model in a variable it does not
+            # own, so no probe can put the count back.
+            counter = tf.Variable(0.0, trainable=False)
+
+            def count(inputs, counter=counter):
+                counter.assign_add(tf.cast(tf.shape(inputs)[0], "float32"))
+                return inputs
+
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [
+                    keras.Input((32, 32, 3)),
+                    keras.layers.Lambda(count),
+                    keras.layers.GlobalAveragePooling2D(),
+                    keras.layers.Dense(4),
+                ]
+            )
+            model.compile("adam", "sparse_categorical_crossentropy")
+            tfmemsafe.fit(
+                model,
+                (x, y),
+                batch_size=32,
+                memory_estimate=memory_estimate,
+                verbose=0,
+            )
+            passes[memory_estimate] = int(counter.numpy())
+        self.assertEqual(passes[False], 64)
+        # The pre-flight check's probes ran the model too.
+        self.assertGreater(passes[True], 64)
+
+    @parameterized.parameters("preflight", "memory_estimate")
+    def test_switches_must_be_bools(self, name):
         x, y = _images(8)
         with self.assertRaisesRegex(
-            ValueError, r"^`preflight` must be True or False\. Received: "
+            ValueError, rf"^`{name}` must be True or False\. Received: "
         ):
-            tfmemsafe.fit(_conv_net(), (x, y), preflight="yes")
+            tfmemsafe.fit(_conv_net(), (x, y), **{name: "yes"})
 
 
 def _fit_without_statistics():

@@ -61,6 +61,8 @@ class FitSettings:
             `accumulation_steps` when the training batch halves.
         preflight: bool. Whether to estimate the training step's memory
             before the first step and start at a size predicted to fit.
+        memory_estimate: bool. Whether memory may be estimated at all
+            (the pre-flight check, and the jump after an error).
         verbose: `"auto"`, 0, 1 or 2.
         other_arguments: dict. The other `model.fit` arguments, passed to
             every attempt as they are.
@@ -78,6 +80,7 @@ class FitSettings:
     max_retries: int | None
     keep_effective_batch_size: bool
     preflight: bool
+    memory_estimate: bool
     verbose: int | str
     other_arguments: dict
 
@@ -145,8 +148,10 @@ class FitRun:
         )
 
     def train(self) -> FitHistory:
-        if self.settings.preflight and not self.decisions.loaded:
-            self._preflight()
+        settings = self.settings
+        if settings.preflight and settings.memory_estimate:
+            if not self.decisions.loaded:
+                self._preflight()
         self.guard = StepGuard(
             self.model,
             optimizers_of(self.model),
@@ -334,6 +339,8 @@ class FitRun:
 
     def _jump(self, failure: _Failure) -> None:
         """Halves further, to the largest halving predicted to fit."""
+        if not self.settings.memory_estimate:
+            return
         phase = failure.phase
         source = (
             self.train_source if phase == "training" else self.validation_source

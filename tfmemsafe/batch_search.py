@@ -32,6 +32,7 @@ def find_max_batch_size(
     max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
     steps_per_trial: int = 2,
     headroom: float = 0.1,
+    memory_estimate: bool = True,
 ) -> int:
     """Finds the largest batch size that trains with memory to spare.
 
@@ -73,6 +74,8 @@ def find_max_batch_size(
             Defaults to 2.
         headroom: float. The fraction of the memory limit that must stay
             free at the peak, in [0, 1). Defaults to 0.1.
+        memory_estimate: bool. Whether to start from a memory estimate;
+            with `False`, only the search by trial. Defaults to `True`.
 
     Returns:
         The largest good batch size found.
@@ -89,13 +92,22 @@ def find_max_batch_size(
     _checks.integer("max_batch_size", max_batch_size, 1)
     _checks.integer("steps_per_trial", steps_per_trial, 1)
     _checks.fraction("headroom", headroom)
+    memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
     source = source_for(data, "data", labelled=True)
     return _search(
-        model, source, start, max_batch_size, steps_per_trial, headroom
+        model,
+        source,
+        start,
+        max_batch_size,
+        steps_per_trial,
+        headroom,
+        memory_estimate,
     )
 
 
-def _search(model, source, start, max_batch_size, steps, headroom) -> int:
+def _search(
+    model, source, start, max_batch_size, steps, headroom, memory_estimate
+) -> int:
     """`find_max_batch_size` on checked arguments."""
     samples = source.num_samples
     largest = min(max_batch_size, samples) if samples else max_batch_size
@@ -105,7 +117,11 @@ def _search(model, source, start, max_batch_size, steps, headroom) -> int:
     try:
         good = bad = None
         size = start
-        predicted = _predicted_size(model, source, largest, multiple, headroom)
+        predicted = None
+        if memory_estimate:
+            predicted = _predicted_size(
+                model, source, largest, multiple, headroom
+            )
         if predicted is not None:
             if trial.fits(predicted):
                 good = bad = predicted  # Confirmed: no search.

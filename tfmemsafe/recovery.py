@@ -46,6 +46,7 @@ def fit(
     keep_effective_batch_size: bool = True,
     max_retries: int | None = None,
     preflight: bool = True,
+    memory_estimate: bool = True,
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose="auto",
     **fit_kwargs,
@@ -120,6 +121,12 @@ def fit(
             Defaults to `True`; it costs a few short training steps at
             small batch sizes (docs/benchmarks.md), and does nothing where
             no estimate can be made.
+        memory_estimate: bool. Whether `fit` may estimate memory at all:
+            the pre-flight check, and the jump after an error (with
+            `False`, it halves once per error). Estimating runs the
+            model's steps at small batches and puts back every variable
+            the model tracks; turn it off for a model whose calls have
+            effects outside its variables. Defaults to `True`.
         callbacks: list of `keras.callbacks.Callback`. Passed to every
             attempt, `tfmemsafe.MemoryMonitor`s first so that the callbacks
             after them see `memory_peak_mb` in the epoch logs.
@@ -170,8 +177,11 @@ def fit(
             validation_data, "validation_data", labelled=True
         )
     preflight = _checks.boolean("preflight", preflight)
+    memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
     if batch_size == "auto":
-        batch_size = find_max_batch_size(model, data)
+        batch_size = find_max_batch_size(
+            model, data, memory_estimate=memory_estimate
+        )
         logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
         preflight = False
     other_arguments = dict(fit_kwargs)
@@ -190,6 +200,7 @@ def fit(
         max_retries=max_retries,
         keep_effective_batch_size=keep_effective_batch_size,
         preflight=preflight,
+        memory_estimate=memory_estimate,
         verbose=verbose,
         other_arguments=other_arguments,
     )
@@ -215,6 +226,7 @@ def evaluate(
     steps: int | None = None,
     min_batch_size: int = 1,
     max_retries: int | None = None,
+    memory_estimate: bool = True,
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose="auto",
     return_dict: bool = False,
@@ -238,6 +250,9 @@ def evaluate(
             to 1.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
+        memory_estimate: bool. Whether to estimate the step's memory
+            after an error, to jump to a size predicted to fit. Defaults
+            to `True`.
         callbacks: list of `keras.callbacks.Callback`.
         verbose: `"auto"`, 0, 1 or 2.
         return_dict: bool. Whether to return `{name: value}`.
@@ -275,7 +290,7 @@ def evaluate(
             return_dict=return_dict,
         )
 
-    planner = SizePlanner(model, "tfmemsafe.evaluate")
+    planner = _planner(model, "tfmemsafe.evaluate", memory_estimate)
 
     def recover(batch_size_before: int) -> None:
         _jump(planner, sizes, source)
@@ -296,6 +311,7 @@ def predict(
     batch_size: int | None = None,
     min_batch_size: int = 1,
     max_retries: int | None = None,
+    memory_estimate: bool = True,
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose="auto",
 ):
@@ -321,6 +337,9 @@ def predict(
             to 1.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
+        memory_estimate: bool. Whether to estimate the step's memory
+            after an error, to jump to a size predicted to fit. Defaults
+            to `True`.
         callbacks: list of `keras.callbacks.Callback`.
         verbose: `"auto"`, 0, 1 or 2.
 
@@ -357,7 +376,7 @@ def predict(
         )
         return progress.all_outputs(outputs)
 
-    planner = SizePlanner(model, "tfmemsafe.predict")
+    planner = _planner(model, "tfmemsafe.predict", memory_estimate)
 
     def recover(batch_size_before: int):
         progress.keep_finished()
@@ -377,8 +396,16 @@ def predict(
     return retry_on_oom(model, attempt, sizes.halve, recover)
 
 
-def _jump(planner: SizePlanner, sizes: Halving, source) -> None:
+def _planner(model, caller: str, memory_estimate) -> SizePlanner | None:
+    if _checks.boolean("memory_estimate", memory_estimate):
+        return SizePlanner(model, caller)
+    return None
+
+
+def _jump(planner: SizePlanner | None, sizes: Halving, source) -> None:
     """Halves `sizes` further to the largest halving predicted to fit."""
+    if planner is None:
+        return
     sizes.shrink(
         planner.halvings(
             sizes.phase,
