@@ -166,6 +166,7 @@ def main(argv):
         batch_size=setup.batch_size,
         epochs=common.EPOCHS.value,
         steps_per_epoch=common.STEPS_PER_EPOCH.value,
+        preflight=common.PREFLIGHT.value,
         validation_data=test,
         callbacks=callbacks,
         # The pipeline shuffles every epoch already.

@@ -307,6 +307,7 @@ def main(argv):
         batch_size=setup.batch_size,
         epochs=common.EPOCHS.value,
         steps_per_epoch=common.STEPS_PER_EPOCH.value,
+        preflight=common.PREFLIGHT.value,
         callbacks=[*callbacks, samples],
         shuffle=False,  # The pipeline shuffles every epoch already.
     )

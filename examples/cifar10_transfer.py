@@ -193,6 +193,7 @@ def _train_head(model, batch_size, directory) -> common.Run:
             batch_size=batch_size,
             epochs=common.EPOCHS.value,
             steps_per_epoch=common.STEPS_PER_EPOCH.value,
+        preflight=common.PREFLIGHT.value,
             validation_data=common.load("test"),
             callbacks=callbacks,
             shuffle=False,  # The pipeline shuffles every epoch already.
@@ -222,6 +223,7 @@ def _fine_tune(model, batch_size, directory) -> common.Run:
         epochs=common.EPOCHS.value + _FINE_TUNE_EPOCHS.value,
         initial_epoch=common.EPOCHS.value,
         steps_per_epoch=common.STEPS_PER_EPOCH.value,
+        preflight=common.PREFLIGHT.value,
         validation_data=common.load("test"),
         callbacks=callbacks,
         shuffle=False,

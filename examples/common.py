@@ -84,6 +84,14 @@ MEMORY_CAP_MB = flags.DEFINE_integer(
     "happen and be recovered from without a GPU.",
     lower_bound=1,
 )
+PREFLIGHT = flags.DEFINE_boolean(
+    "preflight",
+    True,
+    "Let tfmemsafe.fit estimate the training step's memory before the "
+    "first step and start at a batch size predicted to fit. With "
+    "--nopreflight and --memory_cap_mb, watch a real out-of-memory error "
+    "and its recovery instead.",
+)
 SEED = flags.DEFINE_integer(
     "seed",
     None,
@@ -444,7 +452,9 @@ def _print_summary(summary: dict, several_runs: bool) -> None:
                 f"{indent}peak memory on {device}{kind}: {peak:.1f} MB{of}"
             )
         events = report["oom_recoveries"]
-        lines.append(f"{indent}out-of-memory recoveries: {len(events)}")
+        # A pre-flight event records an error predicted, not suffered.
+        suffered = [e for e in events if e["phase"] != "preflight"]
+        lines.append(f"{indent}out-of-memory recoveries: {len(suffered)}")
         for event in events:
             lines.append(f"{indent}  {tfmemsafe.OOMEvent(**event)}")
         if report["batch_size"] is not None:

@@ -267,6 +267,9 @@ class ExamplesTest(parameterized.TestCase, tf.test.TestCase):
             batch_size="1024",
             steps_per_epoch=1,
             memory_cap_mb=210,
+            # A real error to recover from: the pre-flight check would
+            # start at a size predicted to fit (planning_test tests it).
+            preflight=False,
             model_dir=model_dir,
         )
         (run,) = summary["runs"]
