@@ -53,10 +53,10 @@ _PROBE_STEPS = 2
 # The line is fitted to the probes past the floor: see `_fit_line`.
 _FIRST_PROBE = 8
 _MIN_PROBES = 3
-_MAX_PROBES = 6
+_MAX_PROBES = 7
 _PROBE_BUDGET = 0.2
 _SMALL_GROWTH = 0.01
-_GROWN = 0.5
+_GROWN = 1.5
 _SLOPE_AGREEMENT = 0.15
 # A probe is past the floor when it grew the peak over the first probe's
 # by at least this share of what the largest probe grew it.
@@ -205,7 +205,7 @@ def estimate_memory(
 
     With `batch_sizes=None` it chooses the probes: doubling (quadrupling
     while the peak hardly grows) sizes from 8 (times the replicas), at
-    most six, never to a size predicted to grow the peak (over the line's
+    most seven, never to a size predicted to grow the peak (over the line's
     value at batch 0) by more than 20% of the free memory, so that a
     batch four times the largest probe still fits; it stops earlier once
     the peak has grown by half the first probe's and the last two slopes
@@ -384,7 +384,8 @@ def _fit_line(sizes, peaks) -> tuple[float, float]:
     moments' memory, each growing linearly with the batch, so it bends
     upwards (the moment with the most activations takes over) and a line
     through smaller probes would fall short; probes on the floor would
-    flatten it most.
+    flatten it most. Where the peak barely grew, noise can make the
+    largest probes' line fall; then it is fitted to all of them.
     """
     order = np.argsort(sizes)
     sizes = np.asarray(sizes, float)[order]
@@ -392,7 +393,14 @@ def _fit_line(sizes, peaks) -> tuple[float, float]:
     growth = peaks - peaks[0]
     past_floor = growth >= _PAST_FLOOR * growth[-1]
     past_floor[-2:] = True
-    sizes, peaks = sizes[past_floor], peaks[past_floor]
+    fixed, per_sample = _lifted_line(sizes[past_floor], peaks[past_floor])
+    if per_sample <= 0:
+        fixed, per_sample = _lifted_line(sizes, peaks)
+    return fixed, per_sample
+
+
+def _lifted_line(sizes, peaks) -> tuple[float, float]:
+    """Least squares, no shallower than the last secant, lifted to the last."""
     per_sample, fixed = np.polyfit(sizes, peaks, 1)
     (s1, s2), (p1, p2) = sizes[-2:], peaks[-2:]
     per_sample = max(per_sample, (p2 - p1) / (s2 - s1))
