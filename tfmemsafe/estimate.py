@@ -380,7 +380,7 @@ def _fit_line(sizes, peaks) -> tuple[float, float]:
     the smallest probe's by at least `_PAST_FLOOR` of what the largest
     grew it, and always the largest two. Least squares on them, made no
     shallower than the secant of the two largest, then moved up to pass
-    no lower than the largest probe. A step's peak is the largest of many
+    no lower than any probe. A step's peak is the largest of many
     moments' memory, each growing linearly with the batch, so it bends
     upwards (the moment with the most activations takes over) and a line
     through smaller probes would fall short; probes on the floor would
@@ -396,6 +396,9 @@ def _fit_line(sizes, peaks) -> tuple[float, float]:
     fixed, per_sample = _lifted_line(sizes[past_floor], peaks[past_floor])
     if per_sample <= 0:
         fixed, per_sample = _lifted_line(sizes, peaks)
+    # The floor does not go away at larger batches: the line reads no
+    # lower than any probe.
+    fixed = max(fixed, float(np.max(peaks - per_sample * sizes)))
     return fixed, per_sample
 
 
