@@ -110,17 +110,25 @@ def _pipeline(shape, rows=256):
     x = np.random.default_rng(0).normal(size=(rows, *shape)).astype("float32")
     y = (x.reshape(rows, -1)[:, 0] > 0).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    return lambda batch_size: dataset.batch(batch_size)
+    # One batch in flight: tf.data's autotuned prefetch buffers a varying
+    # number of batches (tens of MiB at the larger sizes), memory that no
+    # line in the batch size predicts.
+    return lambda batch_size: dataset.batch(batch_size).prefetch(1)
 
 
+# Each network with its input shape and the cap (MB) it runs under. With
+# oneDNN off (as the cap forces), Eigen's convolution gradients add a hump
+# of im2col buffers that grows up to ~100-200 images and then stays: the
+# caps leave the probes room to pass it, 20% of the free memory (see
+# docs/memory-estimate.md).
 _ARCHITECTURES = {
-    "conv_net": (_conv_net, (24, 24, 3), 400),
-    "residual_net": (_residual_net, (24, 24, 3), 450),
+    "conv_net": (_conv_net, (24, 24, 3), 450),
+    "residual_net": (_residual_net, (24, 24, 3), 1300),
     "mlp": (_mlp, (256,), 250),
     "accumulating_checkpointed_net": (
         _accumulating_checkpointed_net,
         (24, 24, 3),
-        400,
+        1000,
     ),
 }
 
@@ -156,13 +164,14 @@ def architecture_under_cap(name):
     build, shape, _ = _ARCHITECTURES[name]
     model, data = build(), _pipeline(shape)
     estimate = tfmemsafe.estimate_memory(model, data)
-    largest_probe = estimate.measurements[-1][0]
-    # Four times the largest probe, measured from the first step, as the
-    # estimate's probes are.
-    big = 4 * largest_probe
-    measured = _measured_peak(model, data, big)
+    # Trained right after estimating, as `fit` would: an allocator laid out
+    # by larger steps may no longer have room for it.
     best = estimate.max_batch_size()
     best_fits = _fits(model, data, best)
+    # Four times the largest probe, measured from the first step, as the
+    # estimate's probes are.
+    big = 4 * estimate.measurements[-1][0]
+    measured = _measured_peak(model, data, big)
     # Bisection for the largest batch that fits, in [good, bad): when
     # 4/3 of `best` runs out, `best` is at least 75% of it; two more
     # halvings of the interval say how close `best` is.
@@ -189,9 +198,14 @@ def architecture_under_cap(name):
     }
 
 
-# The proof of issue #14 does not hold yet on every architecture (the
-# measured step peak bends upwards beyond the probes, and near the cap the
-# executor squeezes it); it runs when asked for, not in CI.
+# The proof of issue #14 does not hold reliably yet on this machine's
+# capped CPU allocator (see docs/memory-estimate.md, "Status"): the MLP's
+# `max_batch_size()` runs out, though the line predicts its 4x peak within
+# 3% (most likely the BFC allocator's fragmentation: each of its
+# activations is 35 MiB, 14% of the cap), and a single probe's peak
+# moves by up to 15% from run to run, which four times the probe
+# magnifies (the conv net: -0.4% in one run, +28% in another). It runs
+# when asked for, not in CI.
 @absltest.skipUnless(
     os.environ.get("TFMEMSAFE_ESTIMATE_PROOF") == "1",
     "set TFMEMSAFE_ESTIMATE_PROOF=1 to run the real-cap proof",
@@ -231,10 +245,12 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
     ):
         result = self._results[name].result()
         self.assertTrue(result["best_fits"], msg=f"{name}: {result}")
-        # The largest size that fits is below `first_failing`.
+        # The bisection closed: something below 4/3 of `best` ran out.
         self.assertIsNotNone(result["first_failing"], msg=f"{name}: {result}")
         self.assertGreaterEqual(
-            result["best"], 0.75 * result["first_failing"], msg=str(result)
+            result["best"],
+            0.75 * result["largest_fitting_at_least"],
+            msg=f"{name}: {result}",
         )
 
 

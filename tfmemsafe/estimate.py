@@ -2,9 +2,11 @@
 
 `estimate_memory` runs the model's real training step, as `model.fit`
 compiles it, at a few small batch sizes, reads the allocator's peak after
-each, and fits a line `peak = fixed + per_sample x batch` through them.
-The `MemoryEstimate` it returns predicts the peak at any batch size and
-the largest batch that fits a memory limit. See docs/memory-estimate.md.
+each, and fits a line `peak = fixed + per_sample x batch` through those
+past the floor (the peak that small batches share, see
+`_measure_default_sizes`). The `MemoryEstimate` it returns predicts the
+peak at any batch size and the largest batch that fits a memory limit.
+See docs/memory-estimate.md.
 """
 
 from __future__ import annotations
@@ -33,30 +35,41 @@ _MIB = 1024 * 1024
 # Training steps per probe: the first step allocates what only it needs
 # (the optimizer's first update, tracing); the second shows the steady one.
 _PROBE_STEPS = 2
-# Default probes: doubling batch sizes from `_FIRST_PROBE`, at least
-# `_MIN_PROBES` and at most `_MAX_PROBES`. At small sizes the step's peak
-# is set by fixed costs (the optimizer update, the data) and grows slower
-# than the activations; doubling (or quadrupling, while the growth is
-# tiny) goes on until the last two slopes agree
-# to `_SLOPE_AGREEMENT` (the line is straight there), but never to a size
-# predicted to use more than `_PROBE_BUDGET` of the free memory, so a
-# probe does not run out. The line is fitted to the `_FITTED` largest.
+# Default probes. A step's peak is not a line from batch 1: at small
+# batches a floor that no sample adds to sets it (the optimizer update,
+# the data, and on oneDNN-off CPUs the im2col buffers of Eigen's
+# convolution gradients, capped at ~30 MB each: a floor of 60-70 MiB for
+# any conv net), and it grows with the batch only past that. So sizes
+# double from `_FIRST_PROBE` (quadruple while the peak has grown by less
+# than `_SMALL_GROWTH` of the free memory), and stop when
+# - the next size is predicted (by the last slope) to grow the peak over
+#   the line's value at batch 0 by more than `_PROBE_BUDGET` of the free
+#   memory, so that no probe runs out and a batch four times the largest
+#   still fits;
+# - or the peak has grown by at least `_GROWN` times the first probe's
+#   (the per-sample part is a real share of it) and the last two slopes
+#   agree to `_SLOPE_AGREEMENT` (the line is straight there);
+# - or after `_MAX_PROBES` (each costs a retrace).
+# The line is fitted to the probes past the floor: see `_fit_line`.
 _FIRST_PROBE = 8
 _MIN_PROBES = 3
 _MAX_PROBES = 7
-_FITTED = 3
-_SLOPE_AGREEMENT = 0.1
 _PROBE_BUDGET = 0.2
-# Below this growth (of the free memory) the sizes grow four-fold.
-_SMALL_GROWTH = 0.02
+_SMALL_GROWTH = 0.01
+_GROWN = 1.5
+_SLOPE_AGREEMENT = 0.15
+# A probe is past the floor when it grew the peak over the first probe's
+# by at least this share of what the largest probe grew it.
+_PAST_FLOOR = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """The peak memory of a training step as a line in the batch size.
 
-    `peak_bytes(b) = fixed_bytes + per_sample_bytes * b`, fitted by least
-    squares to the allocator's peaks at the probe sizes in `measurements`.
+    `peak_bytes(b) = fixed_bytes + per_sample_bytes * b`, fitted to the
+    allocator's peaks at the larger probe sizes in `measurements` (those
+    past the floor that small batches share).
     The fixed part holds the weights, the optimizer state, the gradients
     and whatever else the process keeps on the device (a dataset's arrays,
     say); the per-sample part the activations kept for the backward pass
@@ -70,8 +83,8 @@ class MemoryEstimate:
         fixed_bytes: int. The line's value at batch 0.
         per_sample_bytes: float. The line's slope. Under a strategy, per
             sample of the global batch, on one replica device.
-        measurements: tuple of `(batch_size, peak_bytes)` pairs, the
-            probes the line was fitted to. Batch sizes are global.
+        measurements: tuple of `(batch_size, peak_bytes)` pairs, every
+            probe, smallest first. Batch sizes are global.
     """
 
     device: str
@@ -192,12 +205,15 @@ def estimate_memory(
 
     With `batch_sizes=None` it chooses the probes: doubling (quadrupling
     while the peak hardly grows) sizes from 8 (times the replicas), at
-    least three and at most seven, until the
-    peak grows in a straight line (the last two slopes agree within 10%),
-    never to a size predicted to grow the peak by more than 20% of the
-    free memory; the line is fitted to the three largest (see
-    `_fit_line`). Under a strategy, sizes are global and the peak is the
-    highest of the replica devices.
+    most seven, never to a size predicted to grow the peak (over the line's
+    value at batch 0) by more than 20% of the free memory, so that a
+    batch four times the largest probe still fits; it stops earlier once
+    the peak has grown by half the first probe's and the last two slopes
+    agree within 15%. Small batches share a floor (the optimizer update,
+    the data, on CPUs without oneDNN the capped buffers of Eigen's
+    convolution gradients) that the line must not be fitted to: it is
+    fitted to the probes past it (see `_fit_line`). Under a strategy,
+    sizes are global and the peak is the highest of the replica devices.
 
     Args:
         model: A compiled `keras.Model`.
@@ -307,11 +323,12 @@ def _measure_default_sizes(probe, source, replicas, limits, largest) -> list:
         size = min(size, max(replicas, samples - samples % replicas))
     measurements = [probe.run(size)]
     free = _free_bytes(limits, probe.current)
+    first = measurements[0][1]
     while len(measurements) < _MAX_PROBES:
-        first, last = measurements[0][1], measurements[-1][1]
+        last = measurements[-1][1]
         factor = 2
         if free is not None and last - first < _SMALL_GROWTH * free:
-            factor = 4  # Fixed costs still hide the slope: go faster.
+            factor = 4  # The floor still hides the slope: go faster.
         size *= factor
         if samples is not None and size > samples:
             break
@@ -320,12 +337,22 @@ def _measure_default_sizes(probe, source, replicas, limits, largest) -> list:
                 [(0, 0, None)] + measurements
             )[-3:]
             slope = (p2 - p1) / (s2 - s1)
-            if len(measurements) >= _MIN_PROBES and slope > 0:
-                before = (p1 - p0) / (s1 - s0)
-                if abs(slope - before) <= _SLOPE_AGREEMENT * slope:
-                    break
-            predicted = p2 + max(slope, 0) * (size - s2)
-            if free is not None and predicted - first > _PROBE_BUDGET * free:
+            before = (p1 - p0) / (s1 - s0)
+            if (
+                len(measurements) >= _MIN_PROBES
+                and last - first >= _GROWN * first
+                and slope > 0
+                and abs(slope - before) <= _SLOPE_AGREEMENT * slope
+            ):
+                break
+            # Growth is counted from the line's value at batch 0, not from
+            # the first probe (which may sit on the floor), so that four
+            # times the probe is predicted to grow the peak by at most
+            # 4 x `_PROBE_BUDGET` of the free memory.
+            slope = max(slope, 0)
+            predicted = p2 + slope * (size - s2)
+            base = min(first, max(p2 - slope * s2, 0))
+            if free is not None and predicted - base > _PROBE_BUDGET * free:
                 break
         measurements.append(probe.run(size))
     if len(measurements) < 2:
@@ -333,7 +360,7 @@ def _measure_default_sizes(probe, source, replicas, limits, largest) -> list:
             "Could not estimate memory: the data has too few samples for "
             f"two probe batch sizes (at most {samples}). Pass `batch_sizes`."
         )
-    return measurements[-_FITTED:]
+    return measurements
 
 
 def _free_bytes(limits, current) -> int | None:
@@ -349,17 +376,36 @@ def _free_bytes(limits, current) -> int | None:
 def _fit_line(sizes, peaks) -> tuple[float, float]:
     """The line `peak = fixed + per_sample * size` through the probes.
 
-    Least squares, made no shallower than the secant of the two largest
-    probes and moved up to pass no lower than the largest: a step's peak
-    is the largest of many moments' memory, each growing linearly with
-    the batch, so it bends upwards (the moment with the most activations
-    takes over), and a line through smaller probes would fall short.
+    Fitted to the probes past the floor: those that grew the peak over
+    the smallest probe's by at least `_PAST_FLOOR` of what the largest
+    grew it, and always the largest two. Least squares on them, made no
+    shallower than the secant of the two largest, then moved up to pass
+    no lower than any probe. A step's peak is the largest of many
+    moments' memory, each growing linearly with the batch, so it bends
+    upwards (the moment with the most activations takes over) and a line
+    through smaller probes would fall short; probes on the floor would
+    flatten it most. Where the peak barely grew, noise can make the
+    largest probes' line fall; then it is fitted to all of them.
     """
-    sizes = np.asarray(sizes, float)
-    peaks = np.asarray(peaks, float)
-    per_sample, fixed = np.polyfit(sizes, peaks, 1)
     order = np.argsort(sizes)
-    (s1, s2), (p1, p2) = sizes[order][-2:], peaks[order][-2:]
+    sizes = np.asarray(sizes, float)[order]
+    peaks = np.asarray(peaks, float)[order]
+    growth = peaks - peaks[0]
+    past_floor = growth >= _PAST_FLOOR * growth[-1]
+    past_floor[-2:] = True
+    fixed, per_sample = _lifted_line(sizes[past_floor], peaks[past_floor])
+    if per_sample <= 0:
+        fixed, per_sample = _lifted_line(sizes, peaks)
+    # The floor does not go away at larger batches: the line reads no
+    # lower than any probe.
+    fixed = max(fixed, float(np.max(peaks - per_sample * sizes)))
+    return fixed, per_sample
+
+
+def _lifted_line(sizes, peaks) -> tuple[float, float]:
+    """Least squares, no shallower than the last secant, lifted to the last."""
+    per_sample, fixed = np.polyfit(sizes, peaks, 1)
+    (s1, s2), (p1, p2) = sizes[-2:], peaks[-2:]
     per_sample = max(per_sample, (p2 - p1) / (s2 - s1))
     fixed = max(fixed, p2 - per_sample * s2)
     return float(fixed), float(per_sample)
@@ -423,7 +469,9 @@ class _Probe:
         arguments = self.source.trial_arguments(batch_size, _PROBE_STEPS)
         callbacks = [_ResetPeakAtFirstStep(self.devices)]
         if self.phase == "training":
-            self.model.fit(**arguments, epochs=1, verbose=0, callbacks=callbacks)
+            self.model.fit(
+                **arguments, epochs=1, verbose=0, callbacks=callbacks
+            )
             return
         arguments.pop("shuffle", None)
         steps = arguments.pop("steps_per_epoch", None)
