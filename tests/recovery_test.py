@@ -212,7 +212,9 @@ def conv_net_under_cap():
             dataset.batch,
             batch_size=1024,
             epochs=3,
-            preflight=False,  # This tests recovering from real errors.
+            # Plain halving, step by step: planning_test tests the
+            # pre-flight check and the jump to an estimated size.
+            memory_estimate=False,
             callbacks=[
                 # Certain to squeeze 512 out; 256 fits beside it, or else
                 # 128 does.
