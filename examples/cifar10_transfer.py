@@ -193,7 +193,7 @@ def _train_head(model, batch_size, directory) -> common.Run:
             batch_size=batch_size,
             epochs=common.EPOCHS.value,
             steps_per_epoch=common.STEPS_PER_EPOCH.value,
-        preflight=common.PREFLIGHT.value,
+            preflight=common.PREFLIGHT.value,
             validation_data=common.load("test"),
             callbacks=callbacks,
             shuffle=False,  # The pipeline shuffles every epoch already.

@@ -178,9 +178,7 @@ class RealCapTest(tf.test.TestCase):
     def test_evaluate_jumps_after_one_oom(self):
         result = self.result("evaluation_and_search")
         self.assertEqual(result["evaluate_failures"], 1, msg=result)
-        self.assertAllClose(
-            result["loss"], result["reference_loss"], rtol=1e-4
-        )
+        self.assertAllClose(result["loss"], result["reference_loss"], rtol=1e-4)
 
     def test_find_max_batch_size_confirms_the_estimate_without_oom(self):
         result = self.result("evaluation_and_search")

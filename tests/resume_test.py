@@ -549,9 +549,7 @@ def growing_batches_under_cap():
     rows = _STEPS * _GROWING_BATCH
     data, _ = _growing_images(rows)
     model = _conv_net(rows)
-    history = _fit(
-        model, data, batch_size=_GROWING_BATCH, epochs=2, verbose=0
-    )
+    history = _fit(model, data, batch_size=_GROWING_BATCH, epochs=2, verbose=0)
     inner = model.inner_model
     return {
         "events": [dataclasses.asdict(e) for e in history.oom_events],

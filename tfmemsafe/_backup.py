@@ -19,6 +19,8 @@ import keras
 from absl import logging
 
 from tfmemsafe import distribute
+from tfmemsafe._fit_sizes import accumulation_steps_of
+from tfmemsafe.errors import OutOfMemoryError
 
 _FILE = "tfmemsafe_batch_size.json"
 
@@ -59,13 +61,41 @@ class Decisions:
                 json.dump(decision, f)
             os.replace(temporary, path)
 
-    def load(self, sizes, model, accumulation_steps_of) -> None:
+    def stop_all_workers(
+        self, err, strategy, sizes, model, *, halve
+    ) -> OutOfMemoryError:
+        """Stores the smaller training size with the backup; the error
+        that stops every worker of the job (see `distribute`).
+
+        Args:
+            err: The out-of-memory error.
+            strategy: The multi-worker strategy.
+            sizes: The training `Halving`.
+            model: The model, whose `accumulation_steps` is stored.
+            halve: Callable that halves the training batch (raising
+                OutOfMemoryError when it cannot), or `None` when the error
+                was not in training: nothing to store then.
+        """
+        before = sizes.batch_size
+        after = None
+        if self.directories and halve is not None:
+            try:
+                halve()
+            except OutOfMemoryError:
+                pass  # Nothing smaller to store: stop all the same.
+            else:
+                after = sizes.batch_size
+                self.store(sizes, accumulation_steps_of(model))
+        return distribute.stop_all_workers(
+            err, before, strategy, resume_batch_size=after
+        )
+
+    def load(self, sizes, model) -> None:
         """Goes on at the size a stopped job stored, if it asked the same.
 
         Args:
             sizes: The training `Halving`; its sizes become those tried.
             model: The model, whose `accumulation_steps` is set.
-            accumulation_steps_of: Reads a model's accumulation steps.
         """
         for directory in self.directories:
             path = os.path.join(directory, _FILE)

@@ -19,12 +19,12 @@ from absl import logging
 
 from tfmemsafe import _backup
 from tfmemsafe import _messages
+from tfmemsafe import _planning
 from tfmemsafe import distribute
-from tfmemsafe._halving import Halving
-from tfmemsafe._halving import RetryBudget
+from tfmemsafe._fit_sizes import FitSizes
+from tfmemsafe._fit_sizes import accumulation_steps_of
 from tfmemsafe._halving import release
 from tfmemsafe._halving import retry_on_oom
-from tfmemsafe._planning import SizePlanner
 from tfmemsafe._resume import EpochStart
 from tfmemsafe._resume import Position
 from tfmemsafe._resume import ResumableCallbackList
@@ -130,10 +130,10 @@ class FitRun:
         self.validation_skip = None
         self.resume_refusal = ""
         self.guard = None
-        self.planner = SizePlanner(model, "tfmemsafe.fit")
+        self.planner = _planning.SizePlanner(model, "tfmemsafe.fit")
         self.history = _fit_history(callbacks)
         self.decisions = _backup.Decisions(callbacks)
-        self.decisions.load(self.sizes.train, model, accumulation_steps_of)
+        self.decisions.load(self.sizes.train, model)
         if self.decisions.loaded and self.sizes.validation_follows_training:
             self.sizes.validation.follow(self.sizes.train)
         self.position = Position(settings.initial_epoch, guard=None)
@@ -149,9 +149,12 @@ class FitRun:
 
     def train(self) -> FitHistory:
         settings = self.settings
+        # A stopped job's stored size was tried: no check then.
         if settings.preflight and settings.memory_estimate:
             if not self.decisions.loaded:
-                self._preflight()
+                self.history.oom_events += _planning.preflight(
+                    self.planner, self.sizes, self.train_source, settings
+                )
         self.guard = StepGuard(
             self.model,
             optimizers_of(self.model),
@@ -167,55 +170,13 @@ class FitRun:
         self.history.batch_size = self.sizes.train.batch_size
         return self.history
 
-    def _preflight(self) -> None:
-        """Starts at the largest halving predicted to fit, if not the size
-        asked for (before the callbacks start: estimating trains)."""
-        sizes = self.sizes.train
-        requested = sizes.batch_size
-        halvings = self.planner.halvings(
-            "training",
-            self.train_source,
-            requested,
-            sizes.floor,
-            largest_probe=requested // 2,
-        )
-        if not halvings:
-            return
-        predicted = self.planner.describe("training", requested)
-        steps_before = accumulation_steps_of(self.model)
-        accumulation_steps = self.sizes.shrink("training", halvings)
-        event = OOMEvent(
-            epoch=self.settings.initial_epoch,
-            step=0,
-            phase="preflight",
-            batch_size_before=requested,
-            batch_size_after=sizes.batch_size,
-            accumulation_steps=accumulation_steps,
-            error=predicted,
-            resumed_at_step=0,
-        )
-        self.history.oom_events.append(event)
-        start = f"{sizes.batch_size}"
-        if accumulation_steps and accumulation_steps != steps_before:
-            start += (
-                f" with accumulation steps {accumulation_steps} (the "
-                "effective batch is kept)"
-            )
-        logging.warning(
-            "tfmemsafe.fit: pre-flight check: batch size %d is predicted not "
-            "to fit (%s). Starting at %s.",
-            requested,
-            predicted,
-            start,
-        )
-
     def _begin(self) -> None:
         """Starts the run for the callbacks at the epoch to start at."""
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        self.callbacks.set_params(self._params(None))
+        self.callbacks.set_params(_params(self.settings, None))
         self.callbacks.on_train_begin()
         # `BackupAndRestore` sets this private attribute in
         # `on_train_begin` to the epoch it restored; `fit` would prefer it
@@ -224,14 +185,6 @@ class FitRun:
         self.model._initial_epoch = None
         self.first_epoch = max(self.settings.initial_epoch, restored or 0)
         self.resume_epoch = self.first_epoch
-
-    def _params(self, steps) -> dict:
-        settings = self.settings
-        return {
-            "verbose": settings.verbose,
-            "epochs": settings.epochs,
-            "steps": steps,
-        }
 
     def _attempt(self) -> None:
         """Trains from where the last attempt stopped to the last epoch."""
@@ -264,7 +217,8 @@ class FitRun:
         steps = self.sizes.train.scaled_steps(settings.steps_per_epoch)
         done = self.position.steps_done if skip else 0
         total = steps or source.num_batches(arguments)
-        self.callbacks.set_params(self._params(done + total if total else None))
+        total = done + total if total else None
+        self.callbacks.set_params(_params(settings, total))
         if self.validation_source is not None:
             arguments.update(
                 self.validation_source.validation_arguments(
@@ -316,7 +270,16 @@ class FitRun:
         """Halves the failed phase's batch, or raises OutOfMemoryError."""
         strategy = self.model.distribute_strategy
         if distribute.is_multi_worker(strategy):
-            raise self._stop_all_workers(err, strategy) from err
+            training = self.position.phase == "training"
+            raise self.decisions.stop_all_workers(
+                err,
+                strategy,
+                self.sizes.train,
+                self.model,
+                halve=(lambda: self._event(self._halve(err)))
+                if training
+                else None,
+            ) from err
         try:
             return self._halve(err)
         except OutOfMemoryError as gave_up:
@@ -337,25 +300,6 @@ class FitRun:
             update_began=self.guard.touched(),
         )
 
-    def _jump(self, failure: _Failure) -> None:
-        """Halves further, to the largest halving predicted to fit."""
-        if not self.settings.memory_estimate:
-            return
-        phase = failure.phase
-        source = (
-            self.train_source if phase == "training" else self.validation_source
-        )
-        sizes = self.sizes.of(phase)
-        halvings = self.planner.halvings(
-            phase,
-            source,
-            sizes.batch_size,
-            sizes.floor,
-            largest_probe=sizes.batch_size,
-        )
-        if halvings:
-            self.sizes.shrink(phase, halvings)
-
     def _event(self, failure: _Failure) -> OOMEvent:
         """Records the recovery from `failure` at the sizes now chosen."""
         phase = failure.phase
@@ -364,23 +308,27 @@ class FitRun:
         accumulation_steps = accumulation_steps_of(self.model)
         resumed_at_step = None
         if phase == "training":
-            if self._can_resume(sizes.batch_size, failure.update_began):
+            self.resume_refusal = _resume_refusal(
+                self.position,
+                failure.update_began,
+                self.settings,
+                self.train_source.position_is_reproducible(sizes.batch_size),
+            )
+            if not self.resume_refusal:
                 resumed_at_step = self.position.steps_done
                 if steps_before and accumulation_steps:
                     _carry_partial_window(
                         self.model, accumulation_steps / steps_before
                     )
-        else:
+        elif (
+            self.validation_source.position_is_reproducible(sizes.batch_size)
+            and self.settings.validation_steps is None
+        ):
             # Training of the epoch is done: it is never replayed. The
-            # validation goes on at its failed step, or starts again.
+            # validation goes on at its failed step, or starts again (0).
+            resumed_at_step = self.position.validation_steps_done
+        else:
             resumed_at_step = 0
-            if (
-                self.validation_source.position_is_reproducible(
-                    sizes.batch_size
-                )
-                and self.settings.validation_steps is None
-            ):
-                resumed_at_step = self.position.validation_steps_done
         event = OOMEvent(
             epoch=failure.epoch,
             step=failure.step,
@@ -394,26 +342,12 @@ class FitRun:
         self.history.oom_events.append(event)
         return event
 
-    def _can_resume(self, batch_size: int, update_began: bool) -> bool:
-        """Whether training can go on at the failed step (see the docs)."""
-        if self.position.ending:
-            self.resume_refusal = "it came after the epoch's last step"
-        elif update_began:
-            self.resume_refusal = "an update had begun when memory ran out"
-        elif self.settings.steps_per_epoch is not None:
-            self.resume_refusal = "`steps_per_epoch` is set"
-        elif not self.train_source.position_is_reproducible(batch_size):
-            self.resume_refusal = (
-                "the data does not give the same order again: shuffled "
-                "without a fixed seed, or not deterministic"
-            )
-        else:
-            return True
-        return False
-
     def _recover(self, failure: _Failure) -> None:
         """Jumps to a size predicted to fit; goes on where it can."""
-        self._jump(failure)
+        if self.settings.memory_estimate:
+            training = failure.phase == "training"
+            source = self.train_source if training else self.validation_source
+            self.sizes.jump(failure.phase, self.planner, source)
         event = self._event(failure)
         self.callbacks.abandon_attempt()
         self.position.abandon_attempt()
@@ -464,127 +398,30 @@ class FitRun:
             return _with_state(error, "before training", self.model)
         return _with_state(error, f"at the end of epoch {epoch}", self.model)
 
-    def _stop_all_workers(self, err, strategy) -> OutOfMemoryError:
-        """Stores the smaller size with the backup, then stops the job."""
-        before = self.sizes.train.batch_size
-        after = None
-        if self.decisions.directories and self.position.phase == "training":
-            try:
-                self._event(self._halve(err))
-            except OutOfMemoryError:
-                pass  # Nothing smaller to store: stop all the same.
-            else:
-                after = self.sizes.train.batch_size
-                self.decisions.store(
-                    self.sizes.train, accumulation_steps_of(self.model)
-                )
-        return distribute.stop_all_workers(
-            err, before, strategy, resume_batch_size=after
+
+def _params(settings: FitSettings, steps) -> dict:
+    """The callbacks' `params`."""
+    return {
+        "verbose": settings.verbose,
+        "epochs": settings.epochs,
+        "steps": steps,
+    }
+
+
+def _resume_refusal(position, update_began, settings, reproducible) -> str:
+    """Why training cannot go on at the failed step, or `""` if it can."""
+    if position.ending:
+        return "it came after the epoch's last step"
+    if update_began:
+        return "an update had begun when memory ran out"
+    if settings.steps_per_epoch is not None:
+        return "`steps_per_epoch` is set"
+    if not reproducible:
+        return (
+            "the data does not give the same order again: shuffled "
+            "without a fixed seed, or not deterministic"
         )
-
-
-class FitSizes:
-    """The batch sizes of training and validation, and how they halve.
-
-    Both phases spend one retry budget (`max_retries` counts both). Without
-    a size of its own, validation follows training's halvings. Halving the
-    training batch doubles an `AccumulatingModel`'s `accumulation_steps`
-    when `keep_effective_batch_size` is on.
-    """
-
-    def __init__(self, model, settings: FitSettings, validation_source):
-        self.model = model
-        self.keep_effective_batch_size = settings.keep_effective_batch_size
-        budget = RetryBudget(settings.max_retries)
-        self.train = Halving(
-            "training",
-            settings.batch_size,
-            model=model,
-            min_batch_size=settings.min_batch_size,
-            budget=budget,
-        )
-        self.validation = None
-        self.validation_follows_training = False
-        if validation_source is not None:
-            size = settings.validation_batch_size
-            if size is None:
-                size = validation_source.batch_size
-            self.validation_follows_training = size is None
-            self.validation = Halving(
-                "validation",
-                size or settings.batch_size,
-                model=model,
-                min_batch_size=settings.min_batch_size,
-                budget=budget,
-            )
-        self.warned_effective_batch = False
-
-    def of(self, phase: str) -> Halving:
-        return self.validation if phase == "validation" else self.train
-
-    def halve(self, err: BaseException, phase: str):
-        """Halves `phase`'s batch, or raises OutOfMemoryError from `err`.
-
-        Returns:
-            The batch size before, and the model's accumulation steps
-            before and after (`None` for a model without them).
-        """
-        steps_before = accumulation_steps_of(self.model)
-        before = self.of(phase).halve(err)
-        if phase == "training" and self.validation_follows_training:
-            self.validation.follow(self.train)
-        return before, steps_before, self._follow(phase, before, 2)
-
-    def shrink(self, phase: str, halvings: int) -> int | None:
-        """Halves `phase`'s batch `halvings` more times, spending no retry.
-
-        Returns:
-            The model's accumulation steps after.
-        """
-        before = self.of(phase).batch_size
-        done = self.of(phase).shrink(halvings)
-        if not done:
-            return accumulation_steps_of(self.model)
-        if phase == "training" and self.validation_follows_training:
-            self.validation.tried[-1] = self.train.batch_size
-        return self._follow(phase, before, 2**done)
-
-    def _follow(self, phase: str, before: int, factor: int):
-        """The accumulation steps after `phase`'s batch was divided by
-        `factor`; doubles them for training (see `keep_effective_batch`)."""
-        steps = accumulation_steps_of(self.model)
-        if phase != "training":
-            self.validation_follows_training = False
-            return steps
-        return self._keep_effective_batch(before, steps, factor)
-
-    def _keep_effective_batch(self, before: int, steps: int | None, factor):
-        after = self.train.batch_size
-        if not self.keep_effective_batch_size:
-            return steps
-        if steps is None:
-            if not self.warned_effective_batch:
-                self.warned_effective_batch = True
-                logging.warning(
-                    "tfmemsafe.fit: %s has no `accumulation_steps`, so each "
-                    "update now averages %d samples instead of %d. To keep "
-                    "the effective batch, train a "
-                    "`tfmemsafe.with_gradient_accumulation(model)`.",
-                    self.model.name,
-                    after,
-                    before,
-                )
-            return None
-        self.model.accumulation_steps = steps * factor
-        if after * factor != before:
-            logging.warning(
-                "tfmemsafe.fit: the effective batch changes from %d to %d "
-                "because batch size %d does not halve evenly.",
-                before * steps,
-                after * steps * factor,
-                before,
-            )
-        return steps * factor
+    return ""
 
 
 def _with_state(error: OutOfMemoryError, state: str, model) -> OutOfMemoryError:
@@ -649,11 +486,3 @@ def _with_fit_history(cls: type) -> type:
     if cls is keras.callbacks.History:
         return FitHistory
     return type(cls.__name__, (cls, FitHistory), {"__module__": cls.__module__})
-
-
-def accumulation_steps_of(model) -> int | None:
-    """The model's `accumulation_steps`, or `None` if it has none."""
-    steps = getattr(model, "accumulation_steps", None)
-    if isinstance(steps, int) and not isinstance(steps, bool):
-        return steps
-    return None

@@ -18,8 +18,10 @@ from absl import logging
 
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
+from tfmemsafe._fit_sizes import accumulation_steps_of
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.history import OOMEvent
 
 # The fraction of the device's limit a predicted peak must leave free:
 # room for what the line does not see (fragmentation, another
@@ -107,6 +109,17 @@ class SizePlanner:
             count += 1
         return count
 
+    def halvings_after_error(self, sizes, source) -> int:
+        """The further halvings of `sizes` (a `Halving`, just halved after
+        an error) predicted to fit, probing below its current size."""
+        return self.halvings(
+            sizes.phase,
+            source,
+            sizes.batch_size,
+            sizes.floor,
+            largest_probe=sizes.batch_size,
+        )
+
     def describe(self, phase: str, batch_size: int) -> str:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
         made = self.estimates[phase]
@@ -115,6 +128,57 @@ class SizePlanner:
             f"{100 * (1 - HEADROOM):.0f}% of {_mib(made.limit_bytes)} on "
             f"{made.device}"
         )
+
+
+def preflight(planner: SizePlanner, sizes, source, settings):
+    """`fit`'s pre-flight check: the largest halving predicted to fit.
+
+    Shrinks `sizes` (a `FitSizes`) to it, before the callbacks start
+    (estimating trains), and says so in one log line.
+
+    Returns:
+        The `OOMEvent` (phase `"preflight"`) to record, in a list; empty
+        when the batch asked for is predicted to fit or there is no
+        estimate.
+    """
+    train = sizes.train
+    requested = train.batch_size
+    halvings = planner.halvings(
+        "training",
+        source,
+        requested,
+        train.floor,
+        largest_probe=requested // 2,
+    )
+    if not halvings:
+        return []
+    predicted = planner.describe("training", requested)
+    steps_before = accumulation_steps_of(planner.model)
+    accumulation_steps = sizes.shrink("training", halvings)
+    start = f"{train.batch_size}"
+    if accumulation_steps and accumulation_steps != steps_before:
+        start += (
+            f" with accumulation steps {accumulation_steps} (the "
+            "effective batch is kept)"
+        )
+    logging.warning(
+        "tfmemsafe.fit: pre-flight check: batch size %d is predicted not "
+        "to fit (%s). Starting at %s.",
+        requested,
+        predicted,
+        start,
+    )
+    event = OOMEvent(
+        epoch=settings.initial_epoch,
+        step=0,
+        phase="preflight",
+        batch_size_before=requested,
+        batch_size_after=train.batch_size,
+        accumulation_steps=accumulation_steps,
+        error=predicted,
+        resumed_at_step=0,
+    )
+    return [event]
 
 
 def _mib(num_bytes: float) -> str:

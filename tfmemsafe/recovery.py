@@ -404,17 +404,8 @@ def _planner(model, caller: str, memory_estimate) -> SizePlanner | None:
 
 def _jump(planner: SizePlanner | None, sizes: Halving, source) -> None:
     """Halves `sizes` further to the largest halving predicted to fit."""
-    if planner is None:
-        return
-    sizes.shrink(
-        planner.halvings(
-            sizes.phase,
-            source,
-            sizes.batch_size,
-            sizes.floor,
-            largest_probe=sizes.batch_size,
-        )
-    )
+    if planner is not None:
+        sizes.shrink(planner.halvings_after_error(sizes, source))
 
 
 def _check_limits(min_batch_size, max_retries) -> None:
