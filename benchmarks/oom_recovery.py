@@ -224,7 +224,7 @@ def main(argv):
         for variant in _ROTATED[turn:] + _ROTATED[:turn]:
             runs[variant].append(run(variant))
     if _AUTO.value:
-        runs[VARIANTS[3]].append(run(VARIANTS[2]))
+        runs[VARIANTS[3]].append(run(VARIANTS[3]))
 
     baseline = runs["model.fit"]
     print()
