@@ -4,11 +4,12 @@ A `SizePlanner` makes one `MemoryEstimate` per phase when it is first
 needed (before training, for `fit`'s pre-flight check, or after a phase's
 first out-of-memory error) and says how many halvings of a batch size it
 takes for the predicted peak to leave `HEADROOM` of the device's limit
-free. Recovery then jumps there in one retry instead of halving once per
-error. When no estimate can be made (the device keeps no statistics or
-its limit is unknown, a multi-worker job, a probe ran out of memory, the
-peak did not grow), it says why once, and recovery halves one step at a
-time as before.
+free, its per-sample part taken `EXTRAPOLATION_MARGIN` larger beyond the
+largest probe. Recovery then jumps there in one retry instead of halving
+once per error. When no estimate can be made (the device keeps no
+statistics or its limit is unknown, a multi-worker job, a probe ran out
+of memory, the peak did not grow), it says why once, and recovery halves
+one step at a time as before.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from tfmemsafe.history import OOMEvent
 # room for what the line does not see (fragmentation, another
 # convolution algorithm at a larger size), as `max_batch_size` leaves.
 HEADROOM = 0.1
+# Beyond the largest probe, the per-sample part of a prediction is taken
+# this much larger: the line is extrapolated there, and errors measured
+# at 4x the largest probe reached -14% to -20% (docs/memory-estimate.md);
+# a batch chosen by the line alone then ran out in one benchmark run of
+# two.
+EXTRAPOLATION_MARGIN = 0.25
 
 
 class SizePlanner:
@@ -104,7 +111,7 @@ class SizePlanner:
             return 0
         limit = made.limit_bytes * (1.0 - HEADROOM)
         count = 0
-        while made.peak_bytes(batch_size) > limit and batch_size // 2 >= floor:
+        while _peak(made, batch_size) > limit and batch_size // 2 >= floor:
             batch_size //= 2
             count += 1
         return count
@@ -124,7 +131,7 @@ class SizePlanner:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
         made = self.estimates[phase]
         return (
-            f"peak {_mib(made.peak_bytes(batch_size))} predicted against "
+            f"peak {_mib(_peak(made, batch_size))} predicted against "
             f"{100 * (1 - HEADROOM):.0f}% of {_mib(made.limit_bytes)} on "
             f"{made.device}"
         )
@@ -179,6 +186,14 @@ def preflight(planner: SizePlanner, sizes, source, settings):
         resumed_at_step=0,
     )
     return [event]
+
+
+def _peak(made, batch_size: int) -> float:
+    """The predicted peak, with `EXTRAPOLATION_MARGIN` beyond the probes."""
+    largest_probe = max(size for size, _ in made.measurements)
+    beyond = max(0, batch_size - largest_probe)
+    margin = EXTRAPOLATION_MARGIN * made.per_sample_bytes * beyond
+    return made.peak_bytes(batch_size) + margin
 
 
 def _mib(num_bytes: float) -> str:
