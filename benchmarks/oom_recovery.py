@@ -107,7 +107,7 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
     import numpy as np
 
     import tfmemsafe
-    from tfmemsafe import _resume
+    from tfmemsafe import _model_state as _resume
     from tfmemsafe import testing
 
     class Timeline(keras.callbacks.Callback):

@@ -73,7 +73,7 @@ def run(variant, steps, batch_size, large, grow_fraction):
         "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     if variant == "epoch replay":
-        from tfmemsafe import _fit_run
+        from tfmemsafe.recovery import _runner as _fit_run
 
         def refuse(self, size):
             self.resume_refusal = "benchmark: epoch replay"
@@ -129,7 +129,7 @@ def snapshot_seconds(parameters=25_000_000):
     """The epoch-start host copy for a model of `parameters` with Adam."""
     import keras
 
-    from tfmemsafe._resume import Snapshot
+    from tfmemsafe._model_state import Snapshot
 
     width = 5000
     model = keras.Sequential(

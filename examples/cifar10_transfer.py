@@ -31,7 +31,7 @@ from absl import app
 from absl import flags
 
 import tfmemsafe
-from tfmemsafe import backbones
+from tfmemsafe import transfer
 
 # --help lists the flags every example takes, too.
 flags.adopt_module_key_flags(common)
@@ -45,7 +45,7 @@ _WEIGHTS = flags.DEFINE_string(
 _ALPHA = flags.DEFINE_enum(
     "alpha",
     "1.0",
-    [str(alpha) for alpha in backbones.ALPHAS],
+    [str(alpha) for alpha in transfer.ALPHAS],
     "MobileNetV2's width multiplier.",
 )
 _RESIZE_TO = flags.DEFINE_integer(

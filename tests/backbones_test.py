@@ -1,4 +1,4 @@
-"""Tests for tfmemsafe.backbones: frozen MobileNetV2, unfreeze, cached features.
+"""Tests for tfmemsafe.transfer: frozen MobileNetV2, unfreeze, cached features.
 
 ImageNet weights cannot be downloaded here. A MobileNetV2 with random
 weights and untouched BatchNormalization statistics computes features of

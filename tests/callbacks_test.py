@@ -16,10 +16,10 @@ from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
-from tfmemsafe import _memory_report
-from tfmemsafe import _sample_writers
-from tfmemsafe import callbacks
+from tfmemsafe import monitor as monitor_lib
 from tfmemsafe import testing
+from tfmemsafe.monitor import _memory_report
+from tfmemsafe.monitor import _sample_writers
 
 # TensorFlow's BFC allocator on the CPU: exact, repeatable peaks.
 _BFC_ENV = {
@@ -338,7 +338,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         monitor = tfmemsafe.MemoryMonitor(verbose=0)
         csv_path = os.path.join(self.get_temp_dir(), "ordered.csv")
         csv_logger = keras.callbacks.CSVLogger(csv_path)
-        ordered = callbacks.monitors_first([csv_logger, monitor])
+        ordered = monitor_lib.monitors_first([csv_logger, monitor])
         self.assertEqual(ordered, [monitor, csv_logger])
         x, y = _data(64)
         _conv_net().fit(x, y, batch_size=32, verbose=0, callbacks=ordered)

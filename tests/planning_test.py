@@ -1,4 +1,4 @@
-"""Tests for tfmemsafe._planning: batch sizes predicted to fit.
+"""Tests for tfmemsafe.recovery (the planner): batch sizes predicted to fit.
 
 `fit`'s pre-flight check and the jump after an out-of-memory error, in
 `fit`, `evaluate` and `find_max_batch_size`. `RealCapTest` runs each

@@ -11,12 +11,6 @@ from tfmemsafe import testing
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.accumulation import GradientAccumulator
 from tfmemsafe.accumulation import with_gradient_accumulation
-from tfmemsafe.backbones import InferenceMode
-from tfmemsafe.backbones import UnfreezeSummary
-from tfmemsafe.backbones import build_frozen_mobilenet_v2
-from tfmemsafe.backbones import unfreeze
-from tfmemsafe.batch_search import find_max_batch_size
-from tfmemsafe.callbacks import MemoryMonitor
 from tfmemsafe.checkpointing import Checkpointed
 from tfmemsafe.checkpointing import checkpoint_blocks
 from tfmemsafe.errors import DatasetUnavailableError
@@ -24,8 +18,6 @@ from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.estimate import MemoryEstimate
 from tfmemsafe.estimate import estimate_memory
-from tfmemsafe.feature_cache import cache_features
-from tfmemsafe.feature_cache import fit_head
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.memory import MemoryInfo
@@ -33,12 +25,20 @@ from tfmemsafe.memory import default_devices
 from tfmemsafe.memory import is_oom_error
 from tfmemsafe.memory import memory_info
 from tfmemsafe.memory import reset_peak_memory
+from tfmemsafe.monitor import MemoryMonitor
 from tfmemsafe.recovery import evaluate
+from tfmemsafe.recovery import find_max_batch_size
 from tfmemsafe.recovery import fit
 from tfmemsafe.recovery import predict
 from tfmemsafe.runtime import RuntimeConfig
 from tfmemsafe.runtime import configure
 from tfmemsafe.runtime import runtime_config
+from tfmemsafe.transfer import InferenceMode
+from tfmemsafe.transfer import UnfreezeSummary
+from tfmemsafe.transfer import build_frozen_mobilenet_v2
+from tfmemsafe.transfer import cache_features
+from tfmemsafe.transfer import fit_head
+from tfmemsafe.transfer import unfreeze
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """Everything a training step changes in a model, saved to put back.
 
 `estimate_memory` trains at its probe sizes and then puts the model back
-exactly with a `ModelState`. Unlike `_resume.Snapshot` (the weights and
+exactly with a `ModelState`. Unlike `Snapshot` (the weights and
 optimizer state `fit` restores after a failed epoch), it also keeps the
 accumulation windows whole, the global seed generator and each
 per-replica part of a distributed variable, and the attributes `fit`
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+from absl import logging
 
-from tfmemsafe._resume import gradient_accumulators_of
-from tfmemsafe._resume import optimizers_of
+from tfmemsafe.accumulation import GradientAccumulator
 
 # Keras has no public name for the generator that `keras.random` draws
 # from when no seed is given.
@@ -88,3 +88,64 @@ def _local_parts(variable) -> list:
     if isinstance(values, tuple) and values and hasattr(values[0], "assign"):
         return list(values)
     return [variable]
+
+
+class Snapshot:
+    """Host copies of a model's variables and its optimizers', to put back.
+
+    The optimizers are the compiled one and any the model holds as
+    attributes (a GAN's `generator_optimizer`, say). Copies are per
+    variable, so under `tf.distribute` a mirrored variable is read once
+    and assigned back to every replica.
+    """
+
+    def __init__(self, model: keras.Model):
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # Its variables must exist to be saved (and restored to zeros).
+            # Only the compiled optimizer is known to update exactly the
+            # model's trainable variables; others are saved as they are.
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        optimizers = optimizers_of(model)
+        variables = list(model.variables)
+        for each in optimizers:
+            variables += each.variables
+        self.model = model
+        self.unbuilt = [each for each in optimizers if not each.built]
+        self.variables = list({id(v): v for v in variables}.values())
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)
+        for optimizer in self.unbuilt:
+            if optimizer.built:
+                logging.warning(
+                    "tfmemsafe: optimizer %r of %s was built after its "
+                    "state was saved, so what it gathered since (such as "
+                    "Adam's moments) is kept, not rewound. Build it in "
+                    "`compile`.",
+                    optimizer.name,
+                    self.model.name,
+                )
+        self.unbuilt = [each for each in self.unbuilt if not each.built]
+        # An `AccumulatingModel`'s partial window is state too; at the start
+        # of an epoch it is empty.
+        for accumulator in gradient_accumulators_of(self.model):
+            accumulator.reset()
+
+
+def gradient_accumulators_of(model) -> list:
+    return [
+        value
+        for value in vars(model).values()
+        if isinstance(value, GradientAccumulator)
+    ]
+
+
+def optimizers_of(model) -> list:
+    """The compiled optimizer and those the model holds as attributes."""
+    found = [model.optimizer, *vars(model).values()]
+    optimizers = [o for o in found if isinstance(o, keras.optimizers.Optimizer)]
+    return list({id(o): o for o in optimizers}.values())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from absl import logging
 
-from tfmemsafe._halving import Halving
-from tfmemsafe._halving import RetryBudget
+from tfmemsafe.recovery._retry import Halving
+from tfmemsafe.recovery._retry import RetryBudget
 
 
 class FitSizes:

@@ -19,17 +19,17 @@ import keras
 from absl import logging
 
 from tfmemsafe import _checks
-from tfmemsafe._fit_run import FitRun
-from tfmemsafe._fit_run import FitSettings
-from tfmemsafe._halving import Halving
-from tfmemsafe._halving import RetryBudget
-from tfmemsafe._halving import retry_on_oom
-from tfmemsafe._planning import SizePlanner
-from tfmemsafe._resume import PredictionProgress
 from tfmemsafe._sources import source_for
-from tfmemsafe.batch_search import find_max_batch_size
-from tfmemsafe.callbacks import monitors_first
 from tfmemsafe.history import FitHistory
+from tfmemsafe.monitor import monitors_first
+from tfmemsafe.recovery._batch_search import find_max_batch_size
+from tfmemsafe.recovery._planner import SizePlanner
+from tfmemsafe.recovery._resume import PredictionProgress
+from tfmemsafe.recovery._retry import Halving
+from tfmemsafe.recovery._retry import RetryBudget
+from tfmemsafe.recovery._retry import retry_on_oom
+from tfmemsafe.recovery._runner import FitRun
+from tfmemsafe.recovery._runner import FitSettings
 
 # `model.fit` arguments that `tfmemsafe.fit` takes in its own way.
 _DATA_ARGUMENTS = ("x", "y", "sample_weight")

@@ -10,11 +10,11 @@ import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
-from tfmemsafe import _device_memory
-from tfmemsafe import _memory_report
 from tfmemsafe import _messages
-from tfmemsafe import _sample_writers
 from tfmemsafe import memory
+from tfmemsafe.monitor import _device_memory
+from tfmemsafe.monitor import _memory_report
+from tfmemsafe.monitor import _sample_writers
 
 _MB = 1024 * 1024
 _PHASES = ("train", "evaluate", "predict")

@@ -19,10 +19,10 @@ from absl import logging
 
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
-from tfmemsafe._fit_sizes import accumulation_steps_of
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import OOMEvent
+from tfmemsafe.recovery._policy import accumulation_steps_of
 
 # The fraction of the device's limit a predicted peak must leave free:
 # room for what the line does not see (fragmentation, another

@@ -19,8 +19,8 @@ import keras
 from absl import logging
 
 from tfmemsafe import distribute
-from tfmemsafe._fit_sizes import accumulation_steps_of
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.recovery._policy import accumulation_steps_of
 
 _FILE = "tfmemsafe_batch_size.json"
 

@@ -33,9 +33,9 @@ from keras.src.saving import object_registration
 from keras.src.utils import python_utils
 
 from tfmemsafe import _checks
-from tfmemsafe._multi_worker import MultiWorkerSupport
-from tfmemsafe.callbacks import monitors_first
-from tfmemsafe.gradient_accumulator import GradientAccumulator
+from tfmemsafe.accumulation._accumulator import GradientAccumulator
+from tfmemsafe.accumulation._multi_worker import MultiWorkerSupport
+from tfmemsafe.monitor import monitors_first
 
 
 @keras.saving.register_keras_serializable(package="tfmemsafe")

@@ -17,27 +17,27 @@ import keras
 import numpy as np
 from absl import logging
 
-from tfmemsafe import _backup
 from tfmemsafe import _messages
-from tfmemsafe import _planning
 from tfmemsafe import distribute
-from tfmemsafe._fit_sizes import FitSizes
-from tfmemsafe._fit_sizes import accumulation_steps_of
-from tfmemsafe._halving import release
-from tfmemsafe._halving import retry_on_oom
-from tfmemsafe._resume import EpochStart
-from tfmemsafe._resume import Position
-from tfmemsafe._resume import ResumableCallbackList
-from tfmemsafe._resume import forget_epoch
-from tfmemsafe._resume import gradient_accumulators_of
-from tfmemsafe._resume import optimizers_of
+from tfmemsafe._model_state import gradient_accumulators_of
+from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._sources import Arrays
 from tfmemsafe._sources import Source
-from tfmemsafe._step_guard import StepGuard
-from tfmemsafe.callbacks import monitors_first
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
+from tfmemsafe.monitor import monitors_first
+from tfmemsafe.recovery import _backup
+from tfmemsafe.recovery import _planner as _planning
+from tfmemsafe.recovery._policy import FitSizes
+from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._resume import EpochStart
+from tfmemsafe.recovery._resume import Position
+from tfmemsafe.recovery._resume import ResumableCallbackList
+from tfmemsafe.recovery._resume import forget_epoch
+from tfmemsafe.recovery._retry import release
+from tfmemsafe.recovery._retry import retry_on_oom
+from tfmemsafe.recovery._step_guard import StepGuard
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,12 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tfmemsafe import _device_memory
+from tfmemsafe.monitor import _device_memory
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from tfmemsafe.callbacks import MemorySample
+    from tfmemsafe.monitor._monitor import MemorySample
 
 # A limit more than this many times the highest reading would flatten the
 # plot to its floor, so it is named in the legend instead of drawn.

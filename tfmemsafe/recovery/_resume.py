@@ -1,67 +1,19 @@
 """What lets a run go on after an out-of-memory error.
 
-For `fit`: `Snapshot` (host copies of the model's and optimizers' state),
-`EpochStart` (the snapshot each epoch starts with), `Position` (where
-training is, to resume at the failed step), `ResumableCallbackList`
-(several `model.fit` calls seen by the callbacks as one run) and
-`forget_epoch`. For
-`predict`: `PredictionProgress` (the rows finished before a failure).
+For `fit`: `EpochStart` (the `Snapshot` each epoch starts with),
+`Position` (where training is, to resume at the failed step),
+`ResumableCallbackList` (several `model.fit` calls seen by the callbacks
+as one run) and `forget_epoch`. For `predict`: `PredictionProgress` (the
+rows finished before a failure).
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
-from absl import logging
 
+from tfmemsafe._model_state import Snapshot
 from tfmemsafe._sources import num_rows
-from tfmemsafe.gradient_accumulator import GradientAccumulator
-
-
-class Snapshot:
-    """Host copies of a model's variables and its optimizers', to put back.
-
-    The optimizers are the compiled one and any the model holds as
-    attributes (a GAN's `generator_optimizer`, say). Copies are per
-    variable, so under `tf.distribute` a mirrored variable is read once
-    and assigned back to every replica.
-    """
-
-    def __init__(self, model: keras.Model):
-        optimizer = model.optimizer
-        if optimizer is not None and not optimizer.built:
-            # Its variables must exist to be saved (and restored to zeros).
-            # Only the compiled optimizer is known to update exactly the
-            # model's trainable variables; others are saved as they are.
-            with model.distribute_strategy.scope():
-                optimizer.build(model.trainable_variables)
-        optimizers = optimizers_of(model)
-        variables = list(model.variables)
-        for each in optimizers:
-            variables += each.variables
-        self.model = model
-        self.unbuilt = [each for each in optimizers if not each.built]
-        self.variables = list({id(v): v for v in variables}.values())
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
-
-    def restore(self) -> None:
-        for variable, value in zip(self.variables, self.values, strict=True):
-            variable.assign(value)
-        for optimizer in self.unbuilt:
-            if optimizer.built:
-                logging.warning(
-                    "tfmemsafe: optimizer %r of %s was built after its "
-                    "state was saved, so what it gathered since (such as "
-                    "Adam's moments) is kept, not rewound. Build it in "
-                    "`compile`.",
-                    optimizer.name,
-                    self.model.name,
-                )
-        self.unbuilt = [each for each in self.unbuilt if not each.built]
-        # An `AccumulatingModel`'s partial window is state too; at the start
-        # of an epoch it is empty.
-        for accumulator in gradient_accumulators_of(self.model):
-            accumulator.reset()
 
 
 class EpochStart(keras.callbacks.Callback):
@@ -364,18 +316,3 @@ def _concatenate(batches: list):
     return keras.tree.map_structure(
         lambda *parts: np.concatenate(parts, axis=0), *batches
     )
-
-
-def gradient_accumulators_of(model) -> list:
-    return [
-        value
-        for value in vars(model).values()
-        if isinstance(value, GradientAccumulator)
-    ]
-
-
-def optimizers_of(model) -> list:
-    """The compiled optimizer and those the model holds as attributes."""
-    found = [model.optimizer, *vars(model).values()]
-    optimizers = [o for o in found if isinstance(o, keras.optimizers.Optimizer)]
-    return list({id(o): o for o in optimizers}.values())

@@ -12,14 +12,14 @@ from absl import logging
 from tfmemsafe import _checks
 from tfmemsafe import _messages
 from tfmemsafe import memory
-from tfmemsafe._halving import batch_floor
-from tfmemsafe._halving import release
-from tfmemsafe._halving import retry_on_oom
-from tfmemsafe._planning import SizePlanner
-from tfmemsafe._resume import Snapshot
+from tfmemsafe._model_state import Snapshot
 from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.recovery._planner import SizePlanner
+from tfmemsafe.recovery._retry import batch_floor
+from tfmemsafe.recovery._retry import release
+from tfmemsafe.recovery._retry import retry_on_oom
 
 _DEFAULT_MAX_BATCH_SIZE = 4096
 

@@ -18,7 +18,7 @@ from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe.accumulation import AccumulatingModel
-from tfmemsafe.backbones import FEATURES_LAYER
+from tfmemsafe.transfer._backbones import FEATURES_LAYER
 
 # Cached features are shuffled through a buffer of at most this many.
 _MAX_SHUFFLE_BUFFER = 50_000

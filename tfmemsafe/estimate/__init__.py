@@ -1,0 +1,15 @@
+"""The memory model: the peak memory of the real training step.
+
+Owns `estimate_memory` and `MemoryEstimate`: it trains a few short steps
+of the model itself at small batch sizes (its probes), reads the
+allocator's peak for each, fits `fixed + per_sample x batch` and says
+which batch fits a limit. The model is put back exactly as found. The
+recovery loop asks it through `estimate_source`, on data it has already
+checked.
+"""
+
+from tfmemsafe.estimate._estimate import MemoryEstimate
+from tfmemsafe.estimate._estimate import estimate_memory
+from tfmemsafe.estimate._estimate import estimate_source
+
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_source"]
