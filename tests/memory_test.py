@@ -1,5 +1,6 @@
 """Tests for tfmemsafe.memory: readings, limits and OOM detection."""
 
+import contextlib
 import os
 from unittest import mock
 
@@ -11,6 +12,7 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import memory
 from tfmemsafe import testing
+from tfmemsafe.memory import _info as memory_info_module
 
 _MB = 1024 * 1024
 
@@ -19,6 +21,18 @@ def _cpu_limit_under_cap():
     import tfmemsafe
 
     return tfmemsafe.memory_info("CPU:0").limit_bytes
+
+
+def _machine_memory(num_bytes):
+    """Patches the machine's memory where `memory` and `runtime` read it."""
+    stack = contextlib.ExitStack()
+    for module in (memory, memory_info_module):
+        stack.enter_context(
+            mock.patch.object(
+                module, "machine_memory_bytes", return_value=num_bytes
+            )
+        )
+    return stack
 
 
 class MemoryInfoTest(parameterized.TestCase, tf.test.TestCase):
@@ -674,9 +688,7 @@ class CpuLimitTest(tf.test.TestCase):
     def _limit(self, environment, machine_bytes):
         with (
             mock.patch.dict(os.environ, environment),
-            mock.patch.object(
-                memory, "machine_memory_bytes", return_value=machine_bytes
-            ),
+            _machine_memory(machine_bytes),
         ):
             return memory.memory_info("CPU:0").limit_bytes
 

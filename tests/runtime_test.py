@@ -1,5 +1,6 @@
 """Tests for tfmemsafe.runtime: configuration at import and by hand."""
 
+import contextlib
 import os
 from unittest import mock
 
@@ -10,6 +11,7 @@ from absl.testing import parameterized
 from tfmemsafe import memory
 from tfmemsafe import runtime
 from tfmemsafe import testing
+from tfmemsafe.memory import _info as memory_info_module
 
 _MB = 1024 * 1024
 
@@ -39,6 +41,18 @@ def _in_child(target, onednn, env=(), **kwargs):
     return testing.run_in_subprocess(
         target, kwargs=kwargs, env=env, timeout=120
     )
+
+
+def _machine_memory(num_bytes):
+    """Patches the machine's memory where `memory` and `runtime` read it."""
+    stack = contextlib.ExitStack()
+    for module in (memory, memory_info_module):
+        stack.enter_context(
+            mock.patch.object(
+                module, "machine_memory_bytes", return_value=num_bytes
+            )
+        )
+    return stack
 
 
 class _FakeGpu:
@@ -206,9 +220,7 @@ class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
             mock.patch.object(
                 runtime, "_cpu_device_exists", return_value=False
             ),
-            mock.patch.object(
-                memory, "machine_memory_bytes", return_value=128 * 1024 * _MB
-            ),
+            _machine_memory(128 * 1024 * _MB),
         ):
             allocator, reason = runtime._set_cpu_allocator(True, [])
             self.assertEqual(
@@ -229,9 +241,7 @@ class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
             mock.patch.object(
                 runtime, "_cpu_device_exists", return_value=False
             ),
-            mock.patch.object(
-                memory, "machine_memory_bytes", return_value=16 * 1024 * _MB
-            ),
+            _machine_memory(16 * 1024 * _MB),
         ):
             os.environ.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
             runtime._set_cpu_allocator(True, [])

@@ -5,6 +5,8 @@ the CPU an allocator that keeps statistics (see `tfmemsafe.configure`);
 set `TFMEMSAFE_AUTOCONFIGURE=0` to skip that.
 """
 
+# First: TensorFlow reads its log level when imported (see the module).
+from tfmemsafe import _tensorflow_logs  # noqa: F401, I001
 from tfmemsafe import data
 from tfmemsafe import distribute
 from tfmemsafe import testing

@@ -156,3 +156,21 @@ def callbacks(value) -> list:
                 f"{type(callback).__name__}"
             )
     return value
+
+
+def retry_limits(min_batch_size, max_retries) -> None:
+    """Checks `min_batch_size` (>= 1) and `max_retries` (>= 0 or `None`)."""
+    integer("min_batch_size", min_batch_size, 1)
+    if max_retries is not None:
+        integer("max_retries", max_retries, 0)
+
+
+def start_sizes(min_batch_size: int, **sizes: int | None) -> None:
+    """Refuses a batch size to start at that is below `min_batch_size`."""
+    for name, size in sizes.items():
+        if size is not None and size < min_batch_size:
+            raise ValueError(
+                f"`min_batch_size` must be <= `{name}`, the batch size to "
+                f"start at. Received: min_batch_size={min_batch_size}, "
+                f"{name}={size}"
+            )

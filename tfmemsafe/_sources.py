@@ -81,6 +81,7 @@ class Source:
         self.data = data
         self.argument = argument
         self.batch_size = batch_size
+        self._signature = None
 
     def resolve_batch_size(self, batch_size: int | None) -> int:
         """The `batch_size` argument, or this data's default for `None`."""
@@ -150,6 +151,23 @@ class Source:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
         return x
 
+    def sample_signature(self) -> tuple:
+        """The shapes (without the batch) and dtypes of one sample.
+
+        What a measured batch size is known to fit is known for data of
+        this signature.
+        """
+        if self._signature is None:
+            self._signature = self._read_signature()
+        return self._signature
+
+    def _read_signature(self) -> tuple:
+        spec = self.dataset(1).element_spec
+        return tuple(
+            (tuple(s.shape.as_list()[1:]), s.dtype.name)
+            for s in tf.nest.flatten(spec)
+        )
+
 
 class Arrays(Source):
     """Arrays: `(x, y[, sample_weight])`, or the inputs `x` alone."""
@@ -161,6 +179,10 @@ class Arrays(Source):
             self.x, self.y, self.sample_weight = (*data, None)[:3]
         else:
             self.x, self.y, self.sample_weight = data, None, None
+        _check_cardinality(
+            argument,
+            {"x": self.x, "y": self.y, "sample_weight": self.sample_weight},
+        )
 
     @property
     def num_samples(self) -> int:
@@ -229,6 +251,14 @@ class Arrays(Source):
 
     def sample_inputs(self):
         return keras.tree.map_structure(lambda a: a[:1], self.x)
+
+    def _read_signature(self) -> tuple:
+        leaves = keras.tree.flatten((self.x, self.y, self.sample_weight))
+        return tuple(
+            (tuple(leaf.shape[1:]), str(getattr(leaf, "dtype", "")))
+            for leaf in leaves
+            if leaf is not None
+        )
 
 
 class UnbatchedDataset(Source):
@@ -381,6 +411,25 @@ def _dataset_nodes(dataset):
         parent = getattr(node, "_input_dataset", None)
         if parent is not None:
             pending.append(parent)
+
+
+def _check_cardinality(argument: str, parts: dict) -> None:
+    """Refuses arrays of different lengths, as `model.fit` does."""
+    sizes = {
+        name: sorted({num_rows(leaf) for leaf in keras.tree.flatten(part)})
+        for name, part in parts.items()
+        if part is not None
+    }
+    if len({size for found in sizes.values() for size in found}) > 1:
+        received = ", ".join(
+            f"{name} sizes: {', '.join(map(str, found))}"
+            for name, found in sizes.items()
+        )
+        raise ValueError(
+            "Data cardinality is ambiguous: the arrays of "
+            f"`{argument}` must all hold the same number of samples. "
+            f"Received: {received}"
+        )
 
 
 def _is_arrays(x) -> bool:

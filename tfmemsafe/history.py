@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import keras
 
@@ -92,3 +93,23 @@ class FitHistory(keras.callbacks.History):
         super().__init__()
         self.oom_events: list[OOMEvent] = []
         self.batch_size: int | None = None
+
+
+def fit_history_of(callbacks: list) -> FitHistory:
+    """The `History` in `callbacks`, made a `FitHistory`, or a new one."""
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.History):
+            if not isinstance(callback, FitHistory):
+                callback.__class__ = _with_fit_history(type(callback))
+            callback.oom_events = []
+            callback.batch_size = None
+            return callback
+    return FitHistory()
+
+
+@functools.cache
+def _with_fit_history(cls: type) -> type:
+    """`FitHistory`, or a subclass of both `cls` and `FitHistory`."""
+    if cls is keras.callbacks.History:
+        return FitHistory
+    return type(cls.__name__, (cls, FitHistory), {"__module__": cls.__module__})

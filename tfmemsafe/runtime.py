@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _tensorflow_logs
 from tfmemsafe import memory
 
 PRECISIONS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
@@ -51,6 +52,11 @@ class RuntimeConfig:
             keeps no statistics, so CPU readings are the process's
             resident memory).
         cpu_allocator_reason: Why it is that one.
+        onednn: Whether TensorFlow's oneDNN kernels are on (TensorFlow
+            turns them on by default only on CPUs with AVX-512 VNNI/BF16
+            or AMX; `TF_ENABLE_ONEDNN_OPTS` overrides).
+        tensorflow_logs: What became of TensorFlow's INFO logs, which
+            hold the allocator's dump after an out-of-memory error.
         warnings: What could not be done, and what to do about it.
     """
 
@@ -62,6 +68,8 @@ class RuntimeConfig:
     cpu_bfc_allocator: bool
     cpu_allocator: str
     cpu_allocator_reason: str
+    onednn: bool = False
+    tensorflow_logs: str = ""
     warnings: tuple[str, ...] = ()
 
     def __str__(self) -> str:
@@ -69,7 +77,9 @@ class RuntimeConfig:
         lines = [
             f"tfmemsafe: dtype policy {self.dtype_policy} ({self.reason}); "
             f"memory growth on GPUs: {gpus}; CPU allocator "
-            f"{self.cpu_allocator} ({self.cpu_allocator_reason})."
+            f"{self.cpu_allocator} ({self.cpu_allocator_reason}); oneDNN "
+            f"{'on' if self.onednn else 'off'}; TensorFlow logs: "
+            f"{self.tensorflow_logs or 'as TensorFlow sets them'}."
         ]
         lines += [f"tfmemsafe warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -155,6 +165,8 @@ def configure(
         cpu_bfc_allocator=cpu_bfc_allocator,
         cpu_allocator=cpu_allocator,
         cpu_allocator_reason=cpu_reason,
+        onednn=_onednn_enabled(),
+        tensorflow_logs=_tensorflow_logs.DONE,
         warnings=tuple(warnings),
     )
     logging.info("%s", _config)

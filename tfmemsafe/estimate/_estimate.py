@@ -105,7 +105,7 @@ class MemoryEstimate:
     def max_batch_size(
         self,
         limit_bytes: int | None = None,
-        headroom: float = 0.1,
+        headroom: float = memory.HEADROOM,
         multiple: int = 1,
     ) -> int:
         """The largest batch whose predicted peak leaves `headroom` free.
@@ -144,7 +144,7 @@ class MemoryEstimate:
         limit_bytes = _checks.integer("limit_bytes", limit_bytes, 1)
         headroom = _checks.fraction("headroom", headroom)
         multiple = _checks.integer("multiple", multiple, 1)
-        room = limit_bytes * (1.0 - headroom) - self.fixed_bytes
+        room = memory.usable_bytes(limit_bytes, headroom) - self.fixed_bytes
         if room < self.per_sample_bytes * multiple:
             return 0
         size = int(room // self.per_sample_bytes)
@@ -170,7 +170,8 @@ class MemoryEstimate:
             )
         if self.limit_bytes is not None:
             lines.append(
-                f"  largest batch with 10% headroom: {self.max_batch_size()}"
+                f"  largest batch with {100 * memory.HEADROOM:.0f}% headroom: "
+                f"{self.max_batch_size()}"
             )
         return "\n".join(lines)
 
@@ -417,6 +418,7 @@ class _Probe:
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
         self.state = ModelState(model)
+        self.window = memory.PeakWindow(devices)
         self.current = {}
         self.tried = []
 
@@ -441,8 +443,7 @@ class _Probe:
                 self.tried,
             ) from err
         peaks = {
-            device: memory.memory_info(device, include_limit=False).peak_bytes
-            for device in self.devices
+            device: self.window.peak_bytes(device) for device in self.devices
         }
         device = max(peaks, key=lambda d: peaks[d] or 0)
         if not peaks[device]:
@@ -462,7 +463,7 @@ class _Probe:
     def _steps(self, batch_size: int) -> None:
         """Runs `_PROBE_STEPS` steps of the phase at `batch_size`."""
         arguments = self.source.trial_arguments(batch_size, _PROBE_STEPS)
-        callbacks = [_ResetPeakAtFirstStep(self.devices)]
+        callbacks = [_ResetPeakAtFirstStep(self.window)]
         if self.phase == "training":
             self.model.fit(
                 **arguments, epochs=1, verbose=0, callbacks=callbacks
@@ -486,21 +487,20 @@ class _Probe:
 
 
 class _ResetPeakAtFirstStep(keras.callbacks.Callback):
-    """Resets the peak just before the first step.
+    """Resets the window's peak just before the first step.
 
     So the peak is the step's, not that of `fit`'s setup: converting arrays
     to tensors may briefly hold two copies of the data, a one-off that no
     batch size changes.
     """
 
-    def __init__(self, devices):
+    def __init__(self, window):
         super().__init__()
-        self.devices = devices
+        self.window = window
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 0:
-            for device in self.devices:
-                memory.reset_peak_memory(device)
+            self.window.reset()
 
     on_test_batch_begin = on_train_batch_begin
     on_predict_batch_begin = on_train_batch_begin

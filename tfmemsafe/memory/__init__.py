@@ -8,22 +8,30 @@ TensorFlow, XLA, cuDNN, cuBLAS and CUDA). The rest of tfmemsafe reads
 memory only through here.
 """
 
+from tfmemsafe.memory._info import HEADROOM
 from tfmemsafe.memory._info import TF_BFC_DEFAULT_LIMIT_BYTES
 from tfmemsafe.memory._info import MemoryInfo
+from tfmemsafe.memory._info import PeakWindow
 from tfmemsafe.memory._info import default_devices
 from tfmemsafe.memory._info import device_name
+from tfmemsafe.memory._info import fits_within
 from tfmemsafe.memory._info import machine_memory_bytes
 from tfmemsafe.memory._info import memory_info
 from tfmemsafe.memory._info import reset_peak_memory
+from tfmemsafe.memory._info import usable_bytes
 from tfmemsafe.memory._oom import is_oom_error
 
 __all__ = [
+    "HEADROOM",
     "TF_BFC_DEFAULT_LIMIT_BYTES",
     "MemoryInfo",
+    "PeakWindow",
     "default_devices",
     "device_name",
+    "fits_within",
     "is_oom_error",
     "machine_memory_bytes",
     "memory_info",
     "reset_peak_memory",
+    "usable_bytes",
 ]

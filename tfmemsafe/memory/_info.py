@@ -13,6 +13,17 @@ _MB = 1024 * 1024
 # TF_CPU_BFC_MEM_LIMIT_IN_MB says otherwise.
 TF_BFC_DEFAULT_LIMIT_BYTES = 64 * 1024 * _MB
 
+# The fraction of a device's limit that a batch must leave free to count
+# as fitting: room for what no reading or prediction sees (the
+# allocator's fragmentation, another convolution algorithm at a larger
+# size, other work on the device). Every "does it fit" in tfmemsafe uses
+# it, through `fits_within`.
+HEADROOM = 0.1
+
+# Per device, the highest peak that a measurement inside a `PeakWindow`
+# reset away: `memory_info` still reports it, until `reset_peak_memory`.
+_outer_peaks: dict[str, int] = {}
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryInfo:
@@ -130,6 +141,7 @@ def memory_info(device=None, *, include_limit: bool = True) -> MemoryInfo:
     try:
         stats = tf.config.experimental.get_memory_info(name)
         current, peak = int(stats["current"]), int(stats["peak"])
+        peak = max(peak, _outer_peaks.get(name, 0))
     except (ValueError, tf.errors.OpError) as err:
         reasons.append(f"get_memory_info({name!r}) failed: {err}")
     limit, limit_reason = _limit_bytes(name) if include_limit else (None, None)
@@ -150,11 +162,87 @@ def reset_peak_memory(device=None) -> bool:
         statistics.
     """
     name = device_name(device) if device is not None else default_devices()[0]
+    _outer_peaks.pop(name, None)
+    return _reset_allocator_peak(name)
+
+
+def _reset_allocator_peak(name: str) -> bool:
     try:
         tf.config.experimental.reset_memory_stats(name)
     except (ValueError, tf.errors.OpError):
         return False
     return True
+
+
+def usable_bytes(limit_bytes: float, headroom: float = HEADROOM) -> float:
+    """The memory a batch may use on a device: its limit less `headroom`."""
+    return limit_bytes * (1.0 - headroom)
+
+
+def fits_within(
+    peak_bytes: float, limit_bytes: float, headroom: float = HEADROOM
+) -> bool:
+    """The one rule for what fits: the peak leaves `headroom` of the limit.
+
+    Args:
+        peak_bytes: float. A peak, measured or predicted.
+        limit_bytes: float. The device's limit.
+        headroom: float. The fraction of the limit to leave free.
+            Defaults to `HEADROOM`, 0.1.
+
+    Returns:
+        Whether `peak_bytes <= limit_bytes * (1 - headroom)`.
+
+    Example:
+    >>> tfmemsafe.memory.fits_within(850 * 2**20, 1024 * 2**20)
+    True
+    """
+    return peak_bytes <= usable_bytes(limit_bytes, headroom)
+
+
+class PeakWindow:
+    """Measures peaks inside a window without losing the peak outside it.
+
+    `reset()` starts a measurement: it resets the allocator's peak of each
+    device, but first keeps the peak reached so far, so that
+    `memory_info` (and a `MemoryMonitor`) still reports it until the next
+    `reset_peak_memory`. `peak_bytes(device)` is the allocator's peak
+    since the window's last `reset()`. tfmemsafe measures its memory
+    estimate's probes and `find_max_batch_size`'s trials this way, so an
+    epoch's `memory_peak_mb` still shows a step that ran out before them.
+
+    Args:
+        devices: list of str. The devices to measure.
+
+    Example:
+    >>> window = tfmemsafe.memory.PeakWindow(["CPU:0"])
+    >>> window.reset()
+    >>> y = tf.ones((1024, 1024))
+    >>> window.peak_bytes("CPU:0") >= 4 * 2**20
+    True
+    """
+
+    def __init__(self, devices):
+        self.devices = [device_name(device) for device in devices]
+
+    def reset(self) -> None:
+        for name in self.devices:
+            try:
+                stats = tf.config.experimental.get_memory_info(name)
+            except (ValueError, tf.errors.OpError):
+                continue
+            # `stats["peak"]` is the allocator's own, since the last reset.
+            kept = max(_outer_peaks.get(name, 0), int(stats["peak"]))
+            _outer_peaks[name] = kept
+            _reset_allocator_peak(name)
+
+    def peak_bytes(self, device) -> int | None:
+        """The allocator's peak since `reset()`; `None` without statistics."""
+        try:
+            stats = tf.config.experimental.get_memory_info(device_name(device))
+        except (ValueError, tf.errors.OpError):
+            return None
+        return int(stats["peak"])
 
 
 def _limit_bytes(name: str) -> tuple[int | None, str | None]:

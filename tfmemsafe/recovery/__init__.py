@@ -11,8 +11,8 @@ draws them.
 """
 
 from tfmemsafe.recovery._batch_search import find_max_batch_size
-from tfmemsafe.recovery._fit import evaluate
+from tfmemsafe.recovery._evaluate import evaluate
+from tfmemsafe.recovery._evaluate import predict
 from tfmemsafe.recovery._fit import fit
-from tfmemsafe.recovery._fit import predict
 
 __all__ = ["evaluate", "find_max_batch_size", "fit", "predict"]

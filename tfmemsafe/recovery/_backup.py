@@ -3,7 +3,7 @@
 A `MultiWorkerMirroredStrategy` job cannot halve its batch on one worker
 while the others wait in the same collective: after an out-of-memory error
 every worker stops (`distribute.stop_all_workers`). Before that, each
-worker writes the decision (the halved batch size, the doubled
+worker writes the size policy's decision (the halved batch size, the doubled
 accumulation steps) next to the `BackupAndRestore` backup. Restarting the
 same command on every worker then resumes from the backup at the smaller
 size, with no flag changed. `BackupAndRestore` deletes the file with its
@@ -20,7 +20,6 @@ from absl import logging
 
 from tfmemsafe import distribute
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.recovery._policy import accumulation_steps_of
 
 _FILE = "tfmemsafe_batch_size.json"
 
@@ -31,7 +30,6 @@ class Decisions:
     Attributes:
         directories: list of str. The `backup_dir` of every
             `keras.callbacks.BackupAndRestore` among the callbacks.
-        loaded: bool. Whether `load` found a decision and applied it.
     """
 
     def __init__(self, callbacks):
@@ -40,17 +38,17 @@ class Decisions:
             for c in callbacks
             if isinstance(c, keras.callbacks.BackupAndRestore)
         ]
-        self.loaded = False
 
-    def store(self, sizes, accumulation_steps: int | None) -> None:
-        """Writes the sizes tried and the accumulation steps to go on with.
+    def store(self, requested: int, tried, accumulation_steps) -> None:
+        """Writes the training sizes tried and the accumulation steps to go
+        on with, for a job that asked for `requested`.
 
         Every worker writes the same content, atomically, so it is there
         whichever worker learnt of the error.
         """
         decision = {
-            "requested_batch_size": sizes.requested,
-            "tried": sizes.tried,
+            "requested_batch_size": requested,
+            "tried": list(tried),
             "accumulation_steps": accumulation_steps,
         }
         for directory in self.directories:
@@ -61,41 +59,49 @@ class Decisions:
                 json.dump(decision, f)
             os.replace(temporary, path)
 
-    def stop_all_workers(
-        self, err, strategy, sizes, model, *, halve
-    ) -> OutOfMemoryError:
-        """Stores the smaller training size with the backup; the error
-        that stops every worker of the job (see `distribute`).
+    def stop_all_workers(self, err, phase: str, policy, strategy):
+        """Stores the smaller training size with the backup, and gives the
+        error that stops every worker of the job (see `distribute`).
 
         Args:
             err: The out-of-memory error.
+            phase: str. The phase that ran out.
+            policy: The call's `SizePolicy`, asked for the smaller size.
             strategy: The multi-worker strategy.
-            sizes: The training `Halving`.
-            model: The model, whose `accumulation_steps` is stored.
-            halve: Callable that halves the training batch (raising
-                OutOfMemoryError when it cannot), or `None` when the error
-                was not in training: nothing to store then.
+
+        Returns:
+            The error to raise, and the policy's `SizeDecision` that was
+            stored (or `None`: nothing was, out of training or without a
+            `BackupAndRestore`).
         """
-        before = sizes.batch_size
-        after = None
-        if self.directories and halve is not None:
+        before = policy.batch_size(phase)
+        decision = None
+        if phase == "training" and self.directories:
             try:
-                halve()
+                decision = policy.halve(phase, err)
             except OutOfMemoryError:
                 pass  # Nothing smaller to store: stop all the same.
             else:
-                after = sizes.batch_size
-                self.store(sizes, accumulation_steps_of(model))
-        return distribute.stop_all_workers(
-            err, before, strategy, resume_batch_size=after
+                self.store(
+                    policy.requested(phase),
+                    policy.tried(phase),
+                    decision.accumulation_steps_after,
+                )
+        stop = distribute.stop_all_workers(
+            err,
+            before,
+            strategy,
+            resume_batch_size=None
+            if decision is None
+            else decision.batch_size_after,
         )
+        return stop, decision
 
-    def load(self, sizes, model) -> None:
-        """Goes on at the size a stopped job stored, if it asked the same.
+    def load(self, requested: int):
+        """The sizes a stopped job stored, if it asked for `requested`.
 
-        Args:
-            sizes: The training `Halving`; its sizes become those tried.
-            model: The model, whose `accumulation_steps` is set.
+        Returns:
+            `(tried, accumulation_steps, path)`, or `None`.
         """
         for directory in self.directories:
             path = os.path.join(directory, _FILE)
@@ -103,26 +109,14 @@ class Decisions:
                 continue
             with open(path) as f:
                 decision = json.load(f)
-            if decision["requested_batch_size"] != sizes.requested:
+            if decision["requested_batch_size"] != requested:
                 logging.warning(
                     "tfmemsafe.fit: ignoring the batch size stored in %s, "
                     "decided for batch_size=%d: this run asks for %d.",
                     path,
                     decision["requested_batch_size"],
-                    sizes.requested,
+                    requested,
                 )
-                return
-            sizes.tried = list(decision["tried"])
-            steps = decision["accumulation_steps"]
-            if steps is not None and accumulation_steps_of(model):
-                model.accumulation_steps = steps
-            self.loaded = True
-            logging.warning(
-                "tfmemsafe.fit: resuming at batch size %d%s, as stored in %s "
-                "after running out of memory at %d.",
-                sizes.batch_size,
-                "" if steps is None else f" x {steps} accumulation steps",
-                path,
-                sizes.tried[-2],
-            )
-            return
+                return None
+            return decision["tried"], decision["accumulation_steps"], path
+        return None

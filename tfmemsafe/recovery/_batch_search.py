@@ -17,7 +17,6 @@ from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._planner import SizePlanner
-from tfmemsafe.recovery._retry import batch_floor
 from tfmemsafe.recovery._retry import release
 from tfmemsafe.recovery._retry import retry_on_oom
 
@@ -31,7 +30,7 @@ def find_max_batch_size(
     start: int = DEFAULT_BATCH_SIZE,
     max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
     steps_per_trial: int = 2,
-    headroom: float = 0.1,
+    headroom: float = memory.HEADROOM,
     memory_estimate: bool = True,
 ) -> int:
     """Finds the largest batch size that trains with memory to spare.
@@ -94,34 +93,27 @@ def find_max_batch_size(
     _checks.fraction("headroom", headroom)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
     source = source_for(data, "data", labelled=True)
+    planner = SizePlanner(
+        model, "tfmemsafe.find_max_batch_size", memory_estimate=memory_estimate
+    )
     return _search(
-        model,
-        source,
-        start,
-        max_batch_size,
-        steps_per_trial,
-        headroom,
-        memory_estimate,
+        model, source, start, max_batch_size, steps_per_trial, headroom, planner
     )
 
 
-def _search(
-    model, source, start, max_batch_size, steps, headroom, memory_estimate
-) -> int:
+def _search(model, source, start, max_batch_size, steps, headroom, planner):
     """`find_max_batch_size` on checked arguments."""
     samples = source.num_samples
     largest = min(max_batch_size, samples) if samples else max_batch_size
-    multiple = batch_floor(model, 1)
+    multiple = model.distribute_strategy.num_replicas_in_sync
     start = max(multiple, min(start, largest))
-    trial = _Trial(model, source, steps, headroom)
+    trial = _Trial(model, source, steps, headroom, planner)
     try:
         good = bad = None
         size = start
-        predicted = None
-        if memory_estimate:
-            predicted = _predicted_size(
-                model, source, largest, multiple, headroom
-            )
+        predicted = _predicted_size(
+            planner, source, largest, multiple, headroom
+        )
         if predicted is not None:
             if trial.fits(predicted):
                 good = bad = predicted  # Confirmed: no search.
@@ -164,20 +156,13 @@ def _search(
     return good
 
 
-def _predicted_size(model, source, largest, multiple, headroom) -> int | None:
-    """The largest batch a memory estimate predicts to leave `headroom`
-    free, rounded down to a multiple of 8 (or of the replicas); `None`
-    without an estimate or when not even the smallest is predicted to fit.
+def _predicted_size(planner, source, largest, multiple, headroom) -> int | None:
+    """The largest batch the planner predicts to leave `headroom` free,
+    rounded down to a multiple of 8 (or of the replicas); `None` without
+    an estimate or when not even the smallest is predicted to fit.
     """
-    estimate = SizePlanner(model, "tfmemsafe.find_max_batch_size").estimate(
-        "training", source, largest
-    )
-    if estimate is None:
-        return None
-    size = min(
-        estimate.max_batch_size(headroom=headroom, multiple=multiple), largest
-    )
-    if size < multiple:
+    size = planner.max_batch_size(source, largest, multiple, headroom)
+    if size is None:
         return None
     rounded = size - size % 8
     if rounded >= multiple and rounded % multiple == 0:
@@ -191,11 +176,12 @@ def _predicted_size(model, source, largest, multiple, headroom) -> int | None:
 class _Trial:
     """Trains a few steps at a batch size and says whether it fitted."""
 
-    def __init__(self, model, source, steps, headroom):
+    def __init__(self, model, source, steps, headroom, planner):
         self.model = model
         self.source = source
         self.steps = steps
         self.headroom = headroom
+        self.planner = planner
         self.tried = []
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
@@ -207,6 +193,7 @@ class _Trial:
             device: memory.memory_info(device).limit_bytes
             for device in self.devices
         }
+        self.window = memory.PeakWindow(self.devices)
         self.warned = False
 
     def fits(self, batch_size: int, last_chance: bool = False) -> bool:
@@ -218,8 +205,7 @@ class _Trial:
             OutOfMemoryError: If it runs out and it was the last chance.
         """
         self.tried.append(batch_size)
-        for device in self.devices:
-            memory.reset_peak_memory(device)
+        self.window.reset()
 
         def train() -> bool:
             self.model.fit(
@@ -239,6 +225,7 @@ class _Trial:
                 ) from err
 
         def ran_out(_) -> bool:
+            self.planner.record_ran_out("training", self.source, batch_size)
             logging.info(
                 "tfmemsafe.find_max_batch_size: batch %d ran out of memory.",
                 batch_size,
@@ -252,16 +239,18 @@ class _Trial:
         finally:
             self.snapshot.restore()
             release(self.model)
+        if trained:
+            self.planner.record_trained("training", self.source, batch_size)
         return trained and self._peak_leaves_headroom(batch_size)
 
     def _peak_leaves_headroom(self, batch_size) -> bool:
         fractions = []
         for device in self.devices:
-            peak = memory.memory_info(device, include_limit=False).peak_bytes
+            peak = self.window.peak_bytes(device)
             limit = self.limits[device]
             # A peak of 0 means the device keeps no statistics.
             if peak and limit:
-                fractions.append(peak / limit)
+                fractions.append((peak, limit))
         if not fractions:
             if not self.warned:
                 self.warned = True
@@ -276,9 +265,12 @@ class _Trial:
             "tfmemsafe.find_max_batch_size: batch %d peaked at %.0f%% of "
             "the memory limit.",
             batch_size,
-            100 * max(fractions),
+            100 * max(peak / limit for peak, limit in fractions),
         )
-        return max(fractions) <= 1.0 - self.headroom
+        return all(
+            memory.fits_within(peak, limit, self.headroom)
+            for peak, limit in fractions
+        )
 
     def close(self) -> None:
         self.snapshot.restore()

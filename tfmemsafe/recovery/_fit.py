@@ -1,35 +1,37 @@
-"""Training, evaluation and prediction that survive running out of memory.
+"""`tfmemsafe.fit`: its arguments, checked, and the start of a run.
 
-`fit` trains a compiled Keras model like `model.fit`, but when a batch does
-not fit in device memory it halves the batch size (doubling an
-`AccumulatingModel`'s `accumulation_steps`, so each update still averages
-the same number of samples), puts back what the failed step changed and
-goes on at that step (`_step_guard` says what a failed step can have
-changed; the epoch starts again in the rare cases it must). `evaluate`
-and `predict` halve the same way. Every out-of-memory error takes one path,
-`_halving.retry_on_oom`; the data kinds are in `_sources`, what a run
-keeps to resume in `_resume`, and `find_max_batch_size` in `batch_search`.
+`fit` checks what it is given into a `FitSettings`; `run` settles the
+size to start at (a stopped job's stored size, or the pre-flight check's)
+and hands the run to a `_runner.FitRun`. docs/architecture.md shows the
+rooms a decision passes through.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import keras
 from absl import logging
 
 from tfmemsafe import _checks
+from tfmemsafe import distribute
+from tfmemsafe._model_state import gradient_accumulators_of
+from tfmemsafe._model_state import optimizers_of
+from tfmemsafe._sources import Arrays
+from tfmemsafe._sources import Source
 from tfmemsafe._sources import source_for
 from tfmemsafe.history import FitHistory
-from tfmemsafe.monitor import monitors_first
+from tfmemsafe.history import OOMEvent
+from tfmemsafe.history import fit_history_of
+from tfmemsafe.recovery import _backup
 from tfmemsafe.recovery._batch_search import find_max_batch_size
 from tfmemsafe.recovery._planner import SizePlanner
-from tfmemsafe.recovery._resume import PredictionProgress
-from tfmemsafe.recovery._retry import Halving
-from tfmemsafe.recovery._retry import RetryBudget
-from tfmemsafe.recovery._retry import retry_on_oom
+from tfmemsafe.recovery._policy import TRAINING
+from tfmemsafe.recovery._policy import VALIDATION
+from tfmemsafe.recovery._policy import SizePolicy
 from tfmemsafe.recovery._runner import FitRun
-from tfmemsafe.recovery._runner import FitSettings
+from tfmemsafe.recovery._step_guard import StepGuard
 
 # `model.fit` arguments that `tfmemsafe.fit` takes in its own way.
 _DATA_ARGUMENTS = ("x", "y", "sample_weight")
@@ -161,7 +163,7 @@ def fit(
     """
     _checks.compiled_model(model, "fit")
     _checks.integer("epochs", epochs, 1)
-    _check_limits(min_batch_size, max_retries)
+    _checks.retry_limits(min_batch_size, max_retries)
     for name in _DATA_ARGUMENTS:
         if name in fit_kwargs:
             raise TypeError(
@@ -206,7 +208,7 @@ def fit(
     )
     if settings.validation_batch_size is not None:
         _checks.integer("validation_batch_size", settings.validation_batch_size)
-    _check_start(
+    _checks.start_sizes(
         min_batch_size,
         batch_size=settings.batch_size,
         validation_batch_size=settings.validation_batch_size,
@@ -215,211 +217,143 @@ def fit(
         # The epoch snapshot builds the optimizer: the model's variables
         # must exist by then (a subclassed model makes them in its call).
         model(train_source.sample_inputs(), training=False)
-    return FitRun(model, settings, _checks.callbacks(callbacks)).train()
+    return run(model, settings, _checks.callbacks(callbacks))
 
 
-def evaluate(
-    model: keras.Model,
-    data,
-    *,
-    batch_size: int | None = None,
-    steps: int | None = None,
-    min_batch_size: int = 1,
-    max_retries: int | None = None,
-    memory_estimate: bool = True,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    verbose="auto",
-    return_dict: bool = False,
-):
-    """Evaluates a compiled model, halving the batch when memory runs out.
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    """What one `tfmemsafe.fit` call asks for, checked; fixed for the run.
 
-    Like `model.evaluate`. An out-of-memory error starts the evaluation
-    again from the first batch at half the batch size (and twice the
-    `steps`), so the metrics always cover the whole data once; or, when a
-    memory estimate of the evaluation step predicts that half does not
-    fit either, at the largest halving predicted to fit (as in `fit`).
-
-    Args:
-        model: A compiled `keras.Model`.
-        data: Data of any kind `tfmemsafe.fit` accepts.
-        batch_size: int or `None`. The batch size to start at. `None`
-            means the batch size of a batched dataset, else 32.
-        steps: int or `None`. As in `model.evaluate`, at the first batch
+    Attributes:
+        train_source: Source. The training data.
+        validation_source: Source or `None`. The validation data.
+        batch_size: int. The training batch size to start at.
+        validation_batch_size: int or `None`. The user's
+            `validation_batch_size`.
+        epochs: int. The epoch to stop at.
+        initial_epoch: int. The epoch to start at.
+        steps_per_epoch: int or `None`. At the first batch size.
+        validation_steps: int or `None`. At the first validation batch
             size.
-        min_batch_size: int. The smallest batch size to try. Defaults
-            to 1.
-        max_retries: int or `None`. How many out-of-memory errors to
-            recover from; `None` for no limit but `min_batch_size`.
-        memory_estimate: bool. Whether to estimate the step's memory
-            after an error, to jump to a size predicted to fit. Defaults
-            to `True`.
-        callbacks: list of `keras.callbacks.Callback`.
+        min_batch_size: int. The smallest batch size to try.
+        max_retries: int or `None`. How many errors to recover from.
+        keep_effective_batch_size: bool. Whether to double the model's
+            `accumulation_steps` when the training batch halves.
+        preflight: bool. Whether to estimate the training step's memory
+            before the first step and start at a size predicted to fit.
+        memory_estimate: bool. Whether memory may be estimated at all
+            (the pre-flight check, and the jump after an error).
         verbose: `"auto"`, 0, 1 or 2.
-        return_dict: bool. Whether to return `{name: value}`.
-
-    Returns:
-        What `model.evaluate` returns.
-
-    Raises:
-        OutOfMemoryError: If the batch size would fall below
-            `min_batch_size`, or `max_retries` is used up.
-
-    Example:
-    >>> tfmemsafe.evaluate(model, (x, y), batch_size=4096, return_dict=True)
-    {'loss': 0.31}
+        other_arguments: dict. The other `model.fit` arguments, passed to
+            every attempt as they are.
     """
-    _checks.compiled_model(model, "evaluate")
-    _check_limits(min_batch_size, max_retries)
-    source = source_for(data, "data", labelled=True)
-    sizes = Halving(
-        "evaluation",
-        source.resolve_batch_size(batch_size),
-        model=model,
-        min_batch_size=min_batch_size,
-        budget=RetryBudget(max_retries),
-    )
-    _check_start(min_batch_size, batch_size=sizes.batch_size)
-    callbacks = monitors_first(_checks.callbacks(callbacks))
 
-    def attempt():
-        return model.evaluate(
-            **source.keras_arguments(sizes.batch_size),
-            steps=sizes.scaled_steps(steps),
-            callbacks=callbacks,
-            verbose=verbose,
-            return_dict=return_dict,
-        )
-
-    planner = _planner(model, "tfmemsafe.evaluate", memory_estimate)
-
-    def recover(batch_size_before: int) -> None:
-        _jump(planner, sizes, source)
-        logging.warning(
-            "tfmemsafe.evaluate: out of memory at batch size %d; starting "
-            "again at %d.",
-            batch_size_before,
-            sizes.batch_size,
-        )
-
-    return retry_on_oom(model, attempt, sizes.halve, recover)
+    train_source: Source
+    validation_source: Source | None
+    batch_size: int
+    validation_batch_size: int | None
+    epochs: int
+    initial_epoch: int
+    steps_per_epoch: int | None
+    validation_steps: int | None
+    min_batch_size: int
+    max_retries: int | None
+    keep_effective_batch_size: bool
+    preflight: bool
+    memory_estimate: bool
+    verbose: int | str
+    other_arguments: dict
 
 
-def predict(
-    model: keras.Model,
-    data,
-    *,
-    batch_size: int | None = None,
-    min_batch_size: int = 1,
-    max_retries: int | None = None,
-    memory_estimate: bool = True,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    verbose="auto",
-):
-    """Predicts with a model, halving the batch when memory runs out.
+def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
+    """Trains as `settings` ask; the body of `tfmemsafe.fit`.
 
-    Like `model.predict`, and it returns every sample once, in order, even
-    when it had to halve midway: the batches finished before an
-    out-of-memory error are kept (moved to host memory), and prediction
-    goes on from the first sample that was not finished (at half the
-    batch size, or at the largest halving a memory estimate of the
-    prediction step predicts to fit, as in `fit`). A dataset or a
-    callable's dataset must therefore give the same samples in the same
-    order each time (no shuffling), and be finite.
-
-    Args:
-        model: A `keras.Model`.
-        data: The inputs: a callable `batch_size -> tf.data.Dataset`, an
-            unbatched or batched `tf.data.Dataset`, or an array (or a
-            dict or list of arrays, for several inputs).
-        batch_size: int or `None`. The batch size to start at. `None`
-            means the batch size of a batched dataset, else 32.
-        min_batch_size: int. The smallest batch size to try. Defaults
-            to 1.
-        max_retries: int or `None`. How many out-of-memory errors to
-            recover from; `None` for no limit but `min_batch_size`.
-        memory_estimate: bool. Whether to estimate the step's memory
-            after an error, to jump to a size predicted to fit. Defaults
-            to `True`.
-        callbacks: list of `keras.callbacks.Callback`.
-        verbose: `"auto"`, 0, 1 or 2.
-
-    Returns:
-        NumPy arrays, structured as the model's outputs.
-
-    Raises:
-        OutOfMemoryError: If the batch size would fall below
-            `min_batch_size`, or `max_retries` is used up.
-
-    Example:
-    >>> tfmemsafe.predict(model, x, batch_size=4096).shape
-    (10000, 10)
+    Before anything trains under the step guard, it settles the size to
+    start at: a stopped job's stored size, or the pre-flight check's.
     """
-    _checks.model(model)
-    _check_limits(min_batch_size, max_retries)
-    source = source_for(data, "data", labelled=False)
-    sizes = Halving(
-        "prediction",
-        source.resolve_batch_size(batch_size),
-        model=model,
-        min_batch_size=min_batch_size,
-        budget=RetryBudget(max_retries),
+    other_arguments = dict(settings.other_arguments)
+    train_source, validation_source = _split_for_validation(
+        settings, other_arguments
     )
-    _check_start(min_batch_size, batch_size=sizes.batch_size)
-    progress = PredictionProgress()
-    callbacks = monitors_first([progress, *_checks.callbacks(callbacks)])
-
-    def attempt():
-        outputs = model.predict(
-            **source.keras_arguments(sizes.batch_size, skip=progress.rows_done),
-            callbacks=callbacks,
-            verbose=verbose,
+    sizes = {TRAINING: settings.batch_size}
+    if validation_source is not None:
+        sizes[VALIDATION] = (
+            settings.validation_batch_size or validation_source.batch_size
         )
-        return progress.all_outputs(outputs)
-
-    planner = _planner(model, "tfmemsafe.predict", memory_estimate)
-
-    def recover(batch_size_before: int):
-        progress.keep_finished()
-        if not progress.ended:
-            _jump(planner, sizes, source)
+    policy = SizePolicy(
+        model,
+        sizes,
+        min_batch_size=settings.min_batch_size,
+        max_retries=settings.max_retries,
+        keep_effective_batch_size=settings.keep_effective_batch_size,
+    )
+    planner = SizePlanner(
+        model, "tfmemsafe.fit", memory_estimate=settings.memory_estimate
+    )
+    history = fit_history_of(callbacks)
+    backup = _backup.Decisions(callbacks)
+    stored = backup.load(policy.requested(TRAINING))
+    if stored is not None:
+        tried, steps, path = stored
+        decision = policy.restore(tried, steps)
         logging.warning(
-            "tfmemsafe.predict: out of memory at batch size %d after %d "
-            "samples; going on at %d.",
-            batch_size_before,
-            progress.rows_done,
-            sizes.batch_size,
+            "tfmemsafe.fit: resuming at %s, as stored in %s after running "
+            "out of memory.",
+            decision.describe(),
+            path,
         )
-        if progress.ended:  # Every batch was done; what failed came after.
-            return progress.all_outputs()
-        return None
-
-    return retry_on_oom(model, attempt, sizes.halve, recover)
-
-
-def _planner(model, caller: str, memory_estimate) -> SizePlanner | None:
-    if _checks.boolean("memory_estimate", memory_estimate):
-        return SizePlanner(model, caller)
-    return None
-
-
-def _jump(planner: SizePlanner | None, sizes: Halving, source) -> None:
-    """Halves `sizes` further to the largest halving predicted to fit."""
-    if planner is not None:
-        sizes.shrink(planner.halvings_after_error(sizes, source))
-
-
-def _check_limits(min_batch_size, max_retries) -> None:
-    _checks.integer("min_batch_size", min_batch_size, 1)
-    if max_retries is not None:
-        _checks.integer("max_retries", max_retries, 0)
-
-
-def _check_start(min_batch_size: int, **sizes: int | None) -> None:
-    """Refuses a batch size to start at that is below `min_batch_size`."""
-    for name, size in sizes.items():
-        if size is not None and size < min_batch_size:
-            raise ValueError(
-                f"`min_batch_size` must be <= `{name}`, the batch size to "
-                f"start at. Received: min_batch_size={min_batch_size}, "
-                f"{name}={size}"
+    elif settings.preflight and not distribute.is_multi_worker(
+        model.distribute_strategy
+    ):
+        decision = policy.preflight(planner, train_source)
+        if decision is not None:
+            logging.warning(
+                "tfmemsafe.fit: pre-flight check: %s.", decision.describe()
             )
+            history.oom_events.append(
+                OOMEvent(
+                    epoch=settings.initial_epoch,
+                    step=0,
+                    phase="preflight",
+                    batch_size_before=decision.batch_size_before,
+                    batch_size_after=decision.batch_size_after,
+                    accumulation_steps=decision.accumulation_steps_after,
+                    error=decision.predicted,
+                    resumed_at_step=0,
+                )
+            )
+    guard = StepGuard(
+        model, optimizers_of(model), gradient_accumulators_of(model)
+    )
+    try:
+        return FitRun(
+            model,
+            settings,
+            train_source=train_source,
+            validation_source=validation_source,
+            other_arguments=other_arguments,
+            policy=policy,
+            planner=planner,
+            backup=backup,
+            guard=guard,
+            history=history,
+            callbacks=callbacks,
+        ).train()
+    finally:
+        guard.close()
+
+
+def _split_for_validation(settings: FitSettings, other_arguments: dict):
+    """The training and validation sources, `validation_split` applied.
+
+    Arrays are split once, as Keras splits them (the last rows), so that
+    the rest of an epoch is never split again; other data keeps the
+    argument for Keras.
+    """
+    split = other_arguments.pop("validation_split", None)
+    train, validation = settings.train_source, settings.validation_source
+    if split and validation is None:
+        if isinstance(train, Arrays):
+            return train.split(split)
+        other_arguments["validation_split"] = split
+    return train, validation

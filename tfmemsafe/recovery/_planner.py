@@ -1,33 +1,32 @@
-"""Batch sizes predicted to fit: the pre-flight check and the jump.
+"""The one rule for what fits: what was measured first, then the estimate.
 
-A `SizePlanner` makes one `MemoryEstimate` per phase when it is first
-needed (before training, for `fit`'s pre-flight check, or after a phase's
-first out-of-memory error) and says how many halvings of a batch size it
-takes for the predicted peak to leave `HEADROOM` of the device's limit
-free, its per-sample part taken `EXTRAPOLATION_MARGIN` larger beyond the
-largest probe. Recovery then jumps there in one retry instead of halving
-once per error. When no estimate can be made (the device keeps no
-statistics or its limit is unknown, a multi-worker job, a probe ran out
-of memory, the peak did not grow), it says why once, and recovery halves
-one step at a time as before.
+A `SizePlanner` answers every "does it fit" of `fit`'s pre-flight check,
+the jump after an out-of-memory error, `find_max_batch_size` and
+`batch_size="auto"`. What this process has measured is a fact and comes
+first: a size that trained at a step and shape fits it, and a size that
+ran out does not. Between the two, a `MemoryEstimate` of the step decides
+with one rule, `memory.fits_within` (`memory.HEADROOM` of the limit left
+free), its per-sample part taken `EXTRAPOLATION_MARGIN` larger beyond
+the largest probe. The facts and the estimates are kept per model, for
+the life of the process, keyed by the step (training, evaluation,
+prediction), the optimizer and the shape of a sample; an estimate that
+could not be made says why once, and is not tried again in that call.
 """
 
 from __future__ import annotations
+
+import math
+import weakref
 
 import keras
 from absl import logging
 
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
+from tfmemsafe import memory
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.history import OOMEvent
-from tfmemsafe.recovery._policy import accumulation_steps_of
 
-# The fraction of the device's limit a predicted peak must leave free:
-# room for what the line does not see (fragmentation, another
-# convolution algorithm at a larger size), as `max_batch_size` leaves.
-HEADROOM = 0.1
 # Beyond the largest probe, the per-sample part of a prediction is taken
 # this much larger: the line is extrapolated there, and errors measured
 # at 4x the largest probe reached -14% to -20% (docs/memory-estimate.md);
@@ -35,52 +34,67 @@ HEADROOM = 0.1
 # two.
 EXTRAPOLATION_MARGIN = 0.25
 
+# The compiled step each phase runs.
+_STEPS = {
+    "training": "train",
+    "validation": "test",
+    "evaluation": "test",
+    "prediction": "predict",
+}
 
-class SizePlanner:
-    """One memory estimate per phase, and the halvings it predicts.
+
+class _Facts:
+    """What one step at one sample shape has done in this process.
 
     Attributes:
-        estimates: dict. Phase to its `MemoryEstimate`, or to `None` when
-            none could be made (it is not tried again).
+        trained: int. The largest batch size that trained (0 for none).
+        ran_out: int or `None`. The smallest that ran out of memory.
+        estimate: `MemoryEstimate` or `None`. The step's estimate, once
+            made.
     """
 
-    def __init__(self, model: keras.Model, caller: str):
+    def __init__(self):
+        self.trained = 0
+        self.ran_out = None
+        self.estimate = None
+
+
+# Per model: `(step, optimizer id, sample signature)` to its `_Facts`.
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class SizePlanner:
+    """The sizes that fit one model's steps: measured, else predicted.
+
+    Args:
+        model: The `keras.Model`.
+        caller: str. The public function asking, for log lines.
+        memory_estimate: bool. Whether it may estimate (run probes); with
+            `False` it answers from measurements alone.
+    """
+
+    def __init__(self, model: keras.Model, caller: str, *, memory_estimate):
         self.model = model
         self.caller = caller
-        self.estimates = {}
+        self.memory_estimate = memory_estimate
+        self._facts = _MEASURED.setdefault(model, {})
+        self._refused = {}  # Key to why no estimate could be made.
 
-    def estimate(self, phase: str, source, largest: int):
-        """The phase's estimate, made now if not yet tried; or `None`."""
-        if phase not in self.estimates:
-            self.estimates[phase] = self._make(phase, source, largest)
-        return self.estimates[phase]
+    def record_trained(self, phase: str, source, batch_size: int) -> None:
+        """Notes that `batch_size` trained (or ran) `phase`'s step."""
+        facts = self._facts_of(phase, source)
+        facts.trained = max(facts.trained, batch_size)
+        if _over(facts.trained, facts.ran_out):
+            facts.ran_out = None  # The newer measurement.
 
-    def _make(self, phase: str, source, largest: int):
-        why = None
-        if distribute.is_multi_worker(self.model.distribute_strategy):
-            why = "a multi-worker job (the workers could choose differently)"
-        else:
-            try:
-                made = estimate_lib.estimate_source(
-                    self.model, source, phase=phase, largest=largest
-                )
-            except (MemoryEstimateError, OutOfMemoryError) as err:
-                why = str(err)
-            except Exception as err:  # noqa: BLE001
-                # Left for the real step to raise, where the callbacks see it.
-                why = f"estimating raised {type(err).__name__}"
-            else:
-                if made.limit_bytes is not None:
-                    return made
-                why = f"the memory limit of {made.device} is unknown"
-        logging.info(
-            "%s: no memory estimate for %s, so it halves once per "
-            "out-of-memory error: %s",
-            self.caller,
-            phase,
-            why,
-        )
-        return None
+    def record_ran_out(self, phase: str, source, batch_size: int) -> None:
+        """Notes that `batch_size` ran out of memory in `phase`'s step."""
+        facts = self._facts_of(phase, source)
+        if facts.ran_out is None or batch_size < facts.ran_out:
+            facts.ran_out = batch_size
+        # A size that ran out is no longer known to fit, whatever ran
+        # before (memory held elsewhere, fragmentation).
+        facts.trained = min(facts.trained, batch_size - 1)
 
     def halvings(
         self,
@@ -90,110 +104,139 @@ class SizePlanner:
         floor: int,
         *,
         largest_probe: int,
-    ) -> int:
-        """How many halvings of `batch_size` the estimate predicts to fit.
+    ) -> tuple[int, str]:
+        """How often to halve `batch_size` for `phase`'s step to fit.
 
-        The fewest `k` for which `batch_size // 2**k` is predicted to leave
-        `HEADROOM` of the limit free, or the most that stay at or above
-        `floor` when none is; 0 without an estimate.
+        A size at or above one that ran out is halved; a size at or below
+        one that trained is not; in between the estimate decides (made
+        now if not yet), with probes no larger than `largest_probe`. It
+        stops at `floor`.
 
-        Args:
-            phase: str. `"training"`, `"validation"`, `"evaluation"` or
-                `"prediction"`.
-            source: `_sources.Source`. The phase's data.
-            batch_size: int. The batch size to start from.
-            floor: int. The smallest batch size allowed.
-            largest_probe: int. No probe is larger (half a size that ran
-                out, or half the size asked for).
+        Returns:
+            The number of halvings (0 when nothing says to halve), and
+            what decided it (`""` for none).
         """
+        facts = self._facts_of(phase, source)
+        size, count, why = batch_size, 0, ""
+        while _over(size, facts.ran_out) and size // 2 >= floor:
+            size, count = size // 2, count + 1
+            why = f"batch size {facts.ran_out} ran out of memory before"
+        if size <= facts.trained:
+            return count, why
         made = self.estimate(phase, source, largest_probe)
         if made is None:
-            return 0
-        limit = made.limit_bytes * (1.0 - HEADROOM)
-        count = 0
-        while _peak(made, batch_size) > limit and batch_size // 2 >= floor:
-            batch_size //= 2
-            count += 1
-        return count
+            return count, why
+        start = size
+        while (
+            not _predicted_to_fit(made, size)
+            and size // 2 >= floor
+            and size > facts.trained
+        ):
+            size, count = size // 2, count + 1
+        if size != start:
+            why = self._describe(made, start)
+        return count, why
 
-    def halvings_after_error(self, sizes, source) -> int:
-        """The further halvings of `sizes` (a `Halving`, just halved after
-        an error) predicted to fit, probing below its current size."""
-        return self.halvings(
-            sizes.phase,
-            source,
-            sizes.batch_size,
-            sizes.floor,
-            largest_probe=sizes.batch_size,
-        )
+    def max_batch_size(
+        self, source, largest: int, multiple: int, headroom: float
+    ) -> int | None:
+        """The largest training batch the estimate predicts to fit, at
+        most `largest`, a multiple of `multiple`; `None` without one."""
+        made = self.estimate("training", source, largest)
+        if made is None:
+            return None
+        size = _largest_predicted(made, headroom)
+        size = min(size, largest)
+        size -= size % multiple
+        return size if size >= multiple else None
 
-    def describe(self, phase: str, batch_size: int) -> str:
+    def estimate(self, phase: str, source, largest: int):
+        """`phase`'s `MemoryEstimate`, made now if not yet; or `None`."""
+        if not self.memory_estimate:
+            return None
+        key = self._key(phase, source)
+        facts = self._facts_of(phase, source)
+        if facts.estimate is None and key not in self._refused:
+            made, why = self._make(phase, source, largest)
+            if made is None:
+                self._refused[key] = why
+                logging.info(
+                    "%s: no memory estimate for %s, so it halves once per "
+                    "out-of-memory error: %s",
+                    self.caller,
+                    phase,
+                    why,
+                )
+            facts.estimate = made
+        return facts.estimate
+
+    def _make(self, phase: str, source, largest: int):
+        if distribute.is_multi_worker(self.model.distribute_strategy):
+            return None, "a multi-worker job (workers could choose differently)"
+        try:
+            made = estimate_lib.estimate_source(
+                self.model, source, phase=phase, largest=largest
+            )
+        except (MemoryEstimateError, OutOfMemoryError) as err:
+            return None, str(err)
+        except Exception as err:  # noqa: BLE001
+            # Left for the real step to raise, where the callbacks see it.
+            return None, f"estimating raised {type(err).__name__}"
+        if made.limit_bytes is None:
+            return None, f"the memory limit of {made.device} is unknown"
+        return made, ""
+
+    def _describe(self, made, batch_size: int) -> str:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
-        made = self.estimates[phase]
         return (
-            f"peak {_mib(_peak(made, batch_size))} predicted against "
-            f"{100 * (1 - HEADROOM):.0f}% of {_mib(made.limit_bytes)} on "
-            f"{made.device}"
+            f"peak {_mib(_predicted_peak(made, batch_size))} predicted "
+            f"against {100 * (1 - memory.HEADROOM):.0f}% of "
+            f"{_mib(made.limit_bytes)} on {made.device}"
         )
 
+    def _key(self, phase: str, source) -> tuple:
+        optimizer = id(self.model.optimizer) if phase == "training" else 0
+        return (_STEPS[phase], optimizer, source.sample_signature())
 
-def preflight(planner: SizePlanner, sizes, source, settings):
-    """`fit`'s pre-flight check: the largest halving predicted to fit.
-
-    Shrinks `sizes` (a `FitSizes`) to it, before the callbacks start
-    (estimating trains), and says so in one log line.
-
-    Returns:
-        The `OOMEvent` (phase `"preflight"`) to record, in a list; empty
-        when the batch asked for is predicted to fit or there is no
-        estimate.
-    """
-    train = sizes.train
-    requested = train.batch_size
-    halvings = planner.halvings(
-        "training",
-        source,
-        requested,
-        train.floor,
-        largest_probe=requested // 2,
-    )
-    if not halvings:
-        return []
-    predicted = planner.describe("training", requested)
-    steps_before = accumulation_steps_of(planner.model)
-    accumulation_steps = sizes.shrink("training", halvings)
-    start = f"{train.batch_size}"
-    if accumulation_steps and accumulation_steps != steps_before:
-        start += (
-            f" with accumulation steps {accumulation_steps} (the "
-            "effective batch is kept)"
-        )
-    logging.warning(
-        "tfmemsafe.fit: pre-flight check: batch size %d is predicted not "
-        "to fit (%s). Starting at %s.",
-        requested,
-        predicted,
-        start,
-    )
-    event = OOMEvent(
-        epoch=settings.initial_epoch,
-        step=0,
-        phase="preflight",
-        batch_size_before=requested,
-        batch_size_after=train.batch_size,
-        accumulation_steps=accumulation_steps,
-        error=predicted,
-        resumed_at_step=0,
-    )
-    return [event]
+    def _facts_of(self, phase: str, source) -> _Facts:
+        return self._facts.setdefault(self._key(phase, source), _Facts())
 
 
-def _peak(made, batch_size: int) -> float:
+def _over(size: int, ran_out: int | None) -> bool:
+    return ran_out is not None and size >= ran_out
+
+
+def _predicted_peak(made, batch_size: int) -> float:
     """The predicted peak, with `EXTRAPOLATION_MARGIN` beyond the probes."""
     largest_probe = max(size for size, _ in made.measurements)
     beyond = max(0, batch_size - largest_probe)
     margin = EXTRAPOLATION_MARGIN * made.per_sample_bytes * beyond
     return made.peak_bytes(batch_size) + margin
+
+
+def _predicted_to_fit(made, batch_size: int, headroom=None) -> bool:
+    return memory.fits_within(
+        _predicted_peak(made, batch_size),
+        made.limit_bytes,
+        memory.HEADROOM if headroom is None else headroom,
+    )
+
+
+def _largest_predicted(made, headroom: float) -> int:
+    """The largest batch `_predicted_to_fit` with `headroom`, or 0."""
+    room = memory.usable_bytes(made.limit_bytes, headroom) - made.fixed_bytes
+    per_sample = made.per_sample_bytes
+    largest_probe = max(size for size, _ in made.measurements)
+    size = math.floor(room / per_sample)
+    if size > largest_probe:  # The margin applies beyond the probes.
+        extra = EXTRAPOLATION_MARGIN * per_sample * largest_probe
+        size = math.floor(
+            (room + extra) / (per_sample * (1 + EXTRAPOLATION_MARGIN))
+        )
+    # Rounding can put the boundary one sample off: check by the rule.
+    while size > 0 and not _predicted_to_fit(made, size, headroom):
+        size -= 1
+    return max(size, 0)
 
 
 def _mib(num_bytes: float) -> str:

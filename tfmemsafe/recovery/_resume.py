@@ -3,17 +3,16 @@
 For `fit`: `EpochStart` (the `Snapshot` each epoch starts with),
 `Position` (where training is, to resume at the failed step),
 `ResumableCallbackList` (several `model.fit` calls seen by the callbacks
-as one run) and `forget_epoch`. For `predict`: `PredictionProgress` (the
-rows finished before a failure).
+as one run) and `forget_epoch`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
-import numpy as np
 
 from tfmemsafe._model_state import Snapshot
-from tfmemsafe._sources import num_rows
 
 
 class EpochStart(keras.callbacks.Callback):
@@ -34,6 +33,44 @@ class EpochStart(keras.callbacks.Callback):
         """Puts back the state of the start of the epoch, if one began."""
         if self.snapshot is not None:
             self.snapshot.restore()
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where the next attempt of a `fit` starts.
+
+    Attributes:
+        epoch: int. The epoch, counted from 0.
+        skip: int. The training samples of `epoch` already done.
+        validation_skip: int or `None`. `None` to train `epoch`; else only
+            its validation remains, from this sample on.
+        resumed_at_step: int or `None`. The step (of the epoch, or of its
+            validation) it goes on at, for `OOMEvent`; `None` when the
+            epoch starts again from its first step.
+        refusal: str. Why training could not go on at the failed step.
+        begun: bool. Whether the callbacks saw `epoch` begin: it goes on
+            in that epoch, which they see begin only once.
+    """
+
+    epoch: int
+    skip: int = 0
+    validation_skip: int | None = None
+    resumed_at_step: int | None = None
+    refusal: str = ""
+    begun: bool = False
+
+    def describe(self) -> str:
+        """Where it goes on, in words: `"step 3 of epoch 2"`."""
+        epoch = self.epoch + 1
+        if self.validation_skip is not None:
+            if self.resumed_at_step:
+                return (
+                    f"validation step {self.resumed_at_step} of epoch {epoch}"
+                )
+            return f"the start of the validation of epoch {epoch}"
+        if self.resumed_at_step is None:
+            return f"the start of epoch {epoch} ({self.refusal})"
+        return f"step {self.resumed_at_step} of epoch {epoch}"
 
 
 class Position(keras.callbacks.Callback):
@@ -150,6 +187,53 @@ class Position(keras.callbacks.Callback):
         self.epoch_end_keys = tuple(logs or ())
         self.last_logs = logs
 
+    def resume_point(self, *, update_began, steps_fixed, reproducible):
+        """Where to go on after a failure in the current phase and step.
+
+        Args:
+            update_began: bool. Whether the failed step had begun an
+                update (read before anything else trained).
+            steps_fixed: bool. Whether the phase's steps are set by the
+                user (`steps_per_epoch` or `validation_steps`).
+            reproducible: bool. Whether the phase's data gives the same
+                order again at the new batch size.
+
+        Returns:
+            A `ResumePoint`.
+        """
+        if self.phase == "validation":
+            # Training of the epoch is done: it is never replayed. The
+            # validation goes on at its failed step, or starts again.
+            if reproducible and not steps_fixed:
+                return ResumePoint(
+                    self.epoch,
+                    validation_skip=self.validation_samples_done,
+                    resumed_at_step=self.validation_steps_done,
+                )
+            return ResumePoint(self.epoch, validation_skip=0, resumed_at_step=0)
+        refusal = ""
+        if self.ending:
+            refusal = "it came after the epoch's last step"
+        elif update_began:
+            refusal = "an update had begun when memory ran out"
+        elif steps_fixed:
+            refusal = "`steps_per_epoch` is set"
+        elif not reproducible:
+            refusal = (
+                "the data does not give the same order again: shuffled "
+                "without a fixed seed, or not deterministic"
+            )
+        if refusal:
+            return ResumePoint(
+                self.epoch, resumed_at_step=None, refusal=refusal
+            )
+        return ResumePoint(
+            self.epoch,
+            skip=self.samples_done,
+            resumed_at_step=self.steps_done,
+            begun=True,
+        )
+
     def abandon_attempt(self) -> None:
         """A failed validation never reached `on_test_end`: training next."""
         self.phase = "training"
@@ -176,6 +260,14 @@ class ResumableCallbackList(keras.callbacks.CallbackList):
         self._started = set()
         self._resumed_epoch = None
         self._offset = self._validation_offset = 0
+
+    def set_params(self, params):
+        super().set_params(params)
+        # A resumed epoch's progress bar was made with the old step count.
+        for callback in self.callbacks:
+            bar = getattr(callback, "progbar", None)
+            if isinstance(callback, keras.callbacks.ProgbarLogger) and bar:
+                bar.target = callback.target
 
     def _added(self) -> list:
         own = {id(c) for c in self._own}
@@ -265,54 +357,3 @@ def forget_epoch(history: keras.callbacks.History, epoch: int, keys) -> None:
         for key in keys:
             if history.history.get(key):
                 history.history[key].pop()
-
-
-class PredictionProgress(keras.callbacks.Callback):
-    """The rows `predict` has finished, kept across its attempts.
-
-    Attributes:
-        batches: list. The outputs of the current attempt's batches.
-        finished: list. Host copies of the outputs of earlier attempts'
-            finished batches, in order.
-        rows_done: int. The number of rows in `finished`.
-        ended: bool. Whether the current attempt predicted every batch.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.batches = []
-        self.finished = []
-        self.rows_done = 0
-        self.ended = False
-
-    def on_predict_begin(self, logs=None):
-        self.batches = []
-        self.ended = False
-
-    def on_predict_batch_end(self, batch, logs=None):
-        self.batches.append(logs["outputs"])
-
-    def on_predict_end(self, logs=None):
-        self.ended = True
-
-    def keep_finished(self) -> None:
-        """Moves a failed attempt's finished batches to `finished`."""
-        # Host copies, so the device memory of the finished batches is free.
-        kept = [keras.tree.map_structure(np.asarray, o) for o in self.batches]
-        self.batches = []
-        self.rows_done += sum(num_rows(o) for o in kept)
-        self.finished.extend(kept)
-
-    def all_outputs(self, last=None):
-        """The finished outputs, then `last` (the final attempt's)."""
-        if last is None:
-            return _concatenate(self.finished)
-        if not self.finished:
-            return last
-        return _concatenate([*self.finished, last])
-
-
-def _concatenate(batches: list):
-    return keras.tree.map_structure(
-        lambda *parts: np.concatenate(parts, axis=0), *batches
-    )

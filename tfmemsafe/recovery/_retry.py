@@ -1,25 +1,28 @@
-"""Halving a batch after an out-of-memory error, and the one retry loop.
+"""The one retry loop, and the one opening of a single-phase call.
 
 `retry_on_oom` is the path every out-of-memory error takes, in `fit`,
 `evaluate`, `predict` and the trials of `find_max_batch_size`: the attempt
 fails, `memory.is_oom_error` tells a failed allocation from anything else,
-the failed phase's `Halving` halves its batch (or gives up with
+the caller's size policy halves the failed phase's batch (or gives up with
 `OutOfMemoryError`), the model lets go of what the attempt held, and the
-caller recovers.
+caller recovers. `SinglePhase` is what `evaluate` and `predict` share
+around it: their checks, sizes, planner and measurements.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Callable
 from typing import TypeVar
 
 import keras
 
-from tfmemsafe import _messages
+from tfmemsafe import _checks
 from tfmemsafe import memory
-from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe._sources import source_for
+from tfmemsafe.recovery._planner import SizePlanner
+from tfmemsafe.recovery._policy import SizeDecision
+from tfmemsafe.recovery._policy import SizePolicy
 
 _Result = TypeVar("_Result")
 _Failure = TypeVar("_Failure")
@@ -42,7 +45,7 @@ def retry_on_oom(
         attempt: Callable. One try of the job; its result is returned.
         on_oom: Callable. Called with the out-of-memory error, inside the
             `except` block: halves the batch of the phase that failed
-            (`Halving.halve`), or raises to give up (chained from the
+            (`SizePolicy.halve`), or raises to give up (chained from the
             error). What it returns goes to `recover`.
         recover: Callable. Called out of the `except` block, once the
             failed attempt's frames and the tensors they held can be
@@ -76,115 +79,74 @@ def release(model: keras.Model) -> None:
     gc.collect()
 
 
-def batch_floor(model: keras.Model, min_batch_size: int) -> int:
-    """The smallest global batch: at least one sample per replica."""
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    return max(min_batch_size, replicas)
+class SinglePhase:
+    """One `evaluate` or `predict` call: its data, sizes and planner.
 
-
-class RetryBudget:
-    """How many out-of-memory errors a call may still recover from.
-
-    One budget is shared by the phases of a call: `fit`'s `max_retries`
-    counts the halvings of training and validation together.
-
-    Attributes:
-        max_retries: int or `None`. The limit; `None` for none.
-        used: int. The halvings so far.
-    """
-
-    def __init__(self, max_retries: int | None):
-        self.max_retries = max_retries
-        self.used = 0
-
-    @property
-    def used_up(self) -> bool:
-        return self.max_retries is not None and self.used >= self.max_retries
-
-
-class Halving:
-    """The batch sizes of one phase, and when to stop halving them.
-
-    Attributes:
-        phase: str. `"training"`, `"validation"`, `"evaluation"` or
-            `"prediction"`, for messages.
-        requested: int. The batch size asked for, which `steps` count in.
-        tried: list of int. The batch sizes used, the current one last
-            (a pre-flight check may have replaced the one asked for).
-        floor: int. The smallest batch size allowed.
-        min_batch_size: int. The user's `min_batch_size`, for messages.
-        budget: RetryBudget. Spent by each halving.
+    Args:
+        phase: str. `"evaluation"` or `"prediction"`.
+        caller: str. The public function, for messages.
+        model: The `keras.Model`.
+        data: The user's data.
+        batch_size: int or `None`. The batch size to start at.
+        min_batch_size, max_retries, memory_estimate: As the caller takes
+            them; checked here.
+        labelled: bool. Whether arrays come as `(x, y[, sample_weight])`.
     """
 
     def __init__(
         self,
         phase: str,
-        batch_size: int,
-        *,
+        caller: str,
         model: keras.Model,
-        min_batch_size: int,
-        budget: RetryBudget,
+        data,
+        *,
+        batch_size,
+        min_batch_size,
+        max_retries,
+        memory_estimate,
+        labelled: bool,
     ):
+        _checks.retry_limits(min_batch_size, max_retries)
         self.phase = phase
-        self.requested = batch_size
-        self.tried = [batch_size]
-        self.floor = batch_floor(model, min_batch_size)
-        self.min_batch_size = min_batch_size
-        self.budget = budget
+        self.caller = caller
+        self.model = model
+        self.source = source_for(data, "data", labelled=labelled)
+        size = self.source.resolve_batch_size(batch_size)
+        _checks.start_sizes(min_batch_size, batch_size=size)
+        self.policy = SizePolicy(
+            model,
+            {phase: size},
+            min_batch_size=min_batch_size,
+            max_retries=max_retries,
+        )
+        self.planner = SizePlanner(
+            model,
+            caller,
+            memory_estimate=_checks.boolean("memory_estimate", memory_estimate),
+        )
 
     @property
     def batch_size(self) -> int:
-        return self.tried[-1]
+        return self.policy.batch_size(self.phase)
 
-    def scaled_steps(self, steps: int | None) -> int | None:
-        """Steps that cover the same samples at the current batch size."""
-        if steps is None:
-            return None
-        return math.ceil(steps * self.requested / self.tried[-1])
+    def run(
+        self,
+        attempt: Callable[[], _Result],
+        recover: Callable[[SizeDecision], _Result | None],
+    ) -> _Result:
+        """`retry_on_oom` with this call's sizes; `recover` gets each
+        decision (`jump` takes it further) and logs it."""
 
-    def follow(self, other: Halving) -> None:
-        """Takes `other`'s batch size, without spending the budget."""
-        self.tried.append(other.batch_size)
-
-    def shrink(self, halvings: int) -> int:
-        """Halves `halvings` more times within the last retry.
-
-        The jump to a size predicted to fit: it spends no budget and
-        stops at the floor.
-
-        Returns:
-            The halvings done.
-        """
-        done = 0
-        while done < halvings and self.batch_size // 2 >= self.floor:
-            self.tried[-1] //= 2
-            done += 1
-        return done
-
-    def halve(self, err: BaseException) -> int:
-        """Halves the batch size, or raises OutOfMemoryError from `err`.
-
-        Returns:
-            The batch size before halving.
-        """
-        size = self.batch_size
-        if self.budget.used_up:
-            reason = "`max_retries` is used up"
-        elif size // 2 < self.floor:
-            reason = (
-                f"half of it would be below `min_batch_size`="
-                f"{self.min_batch_size}"
-                if self.floor == self.min_batch_size
-                else f"half of it would leave a replica with no sample "
-                f"(the global batch must be >= {self.floor})"
+        def on_oom(err):
+            self.planner.record_ran_out(
+                self.phase, self.source, self.batch_size
             )
-        else:
-            self.tried.append(size // 2)
-            self.budget.used += 1
-            return size
-        raise OutOfMemoryError(
-            f"Could not fit a {self.phase} batch of {size} after trying "
-            f"{_messages.format_sizes(self.tried)}, and {reason}. "
-            f"{_messages.OOM_ADVICE}",
-            self.tried,
-        ) from err
+            return self.policy.halve(self.phase, err)
+
+        result = retry_on_oom(self.model, attempt, on_oom, recover)
+        self.planner.record_trained(self.phase, self.source, self.batch_size)
+        return result
+
+    def jump(self, decision: SizeDecision) -> SizeDecision:
+        """`decision` taken on to the largest halving predicted to fit."""
+        return self.policy.jump(decision, self.planner, self.source)

@@ -1,26 +1,23 @@
 """One `tfmemsafe.fit` call: its settings, its attempts and its recovery.
 
-`FitRun` trains epoch by epoch, one `model.fit` call each, so that each
-epoch can be given its own data: the epoch's shuffled order of arrays, or,
-after an out-of-memory error at step k, the samples from step k on at the
-new batch size. `FitSizes` holds the batch sizes of training and
-validation and halves them; `_step_guard` says what a failed step can
-have changed.
+`run` settles the size to start at and builds a `FitRun`, which trains
+epoch by epoch, one `model.fit` call each, so that each epoch can be
+given its own data: the epoch's shuffled order of arrays, or, after an
+out-of-memory error at step k, the samples from step k on at the new
+batch size. The sizes are the `SizePolicy`'s, where to go on is
+`Position`'s, what a failed step can have changed is `StepGuard`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import TYPE_CHECKING
 
-import keras
 import numpy as np
 from absl import logging
 
 from tfmemsafe import _messages
 from tfmemsafe import distribute
-from tfmemsafe._model_state import gradient_accumulators_of
-from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._sources import Arrays
 from tfmemsafe._sources import Source
 from tfmemsafe.errors import OutOfMemoryError
@@ -28,146 +25,96 @@ from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.monitor import monitors_first
 from tfmemsafe.recovery import _backup
-from tfmemsafe.recovery import _planner as _planning
-from tfmemsafe.recovery._policy import FitSizes
-from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._planner import SizePlanner
+from tfmemsafe.recovery._policy import TRAINING
+from tfmemsafe.recovery._policy import VALIDATION
+from tfmemsafe.recovery._policy import SizeDecision
+from tfmemsafe.recovery._policy import SizePolicy
 from tfmemsafe.recovery._resume import EpochStart
 from tfmemsafe.recovery._resume import Position
 from tfmemsafe.recovery._resume import ResumableCallbackList
+from tfmemsafe.recovery._resume import ResumePoint
 from tfmemsafe.recovery._resume import forget_epoch
 from tfmemsafe.recovery._retry import release
 from tfmemsafe.recovery._retry import retry_on_oom
 from tfmemsafe.recovery._step_guard import StepGuard
 
-
-@dataclasses.dataclass(frozen=True)
-class FitSettings:
-    """What one `tfmemsafe.fit` call asks for, checked; fixed for the run.
-
-    Attributes:
-        train_source: Source. The training data.
-        validation_source: Source or `None`. The validation data.
-        batch_size: int. The training batch size to start at.
-        validation_batch_size: int or `None`. The user's
-            `validation_batch_size`.
-        epochs: int. The epoch to stop at.
-        initial_epoch: int. The epoch to start at.
-        steps_per_epoch: int or `None`. At the first batch size.
-        validation_steps: int or `None`. At the first validation batch
-            size.
-        min_batch_size: int. The smallest batch size to try.
-        max_retries: int or `None`. How many errors to recover from.
-        keep_effective_batch_size: bool. Whether to double the model's
-            `accumulation_steps` when the training batch halves.
-        preflight: bool. Whether to estimate the training step's memory
-            before the first step and start at a size predicted to fit.
-        memory_estimate: bool. Whether memory may be estimated at all
-            (the pre-flight check, and the jump after an error).
-        verbose: `"auto"`, 0, 1 or 2.
-        other_arguments: dict. The other `model.fit` arguments, passed to
-            every attempt as they are.
-    """
-
-    train_source: Source
-    validation_source: Source | None
-    batch_size: int
-    validation_batch_size: int | None
-    epochs: int
-    initial_epoch: int
-    steps_per_epoch: int | None
-    validation_steps: int | None
-    min_batch_size: int
-    max_retries: int | None
-    keep_effective_batch_size: bool
-    preflight: bool
-    memory_estimate: bool
-    verbose: int | str
-    other_arguments: dict
+if TYPE_CHECKING:  # `_fit` builds the run, so imports this module.
+    from tfmemsafe.recovery._fit import FitSettings
 
 
 @dataclasses.dataclass(frozen=True)
 class _Failure:
     """What an out-of-memory error stopped, noted as it was caught."""
 
-    phase: str
+    decision: SizeDecision
     epoch: int
     step: int
-    batch_size_before: int
-    accumulation_steps_before: int | None
     error: str
     update_began: bool
 
 
 class FitRun:
-    """One `tfmemsafe.fit` call: its attempts, and recovery between them.
+    """One `tfmemsafe.fit` call's attempts, and recovery between them.
 
-    It owns all the state that changes during the call, declared here.
     Each epoch is one `model.fit` call (the callbacks see one run), so
     that each epoch can be given its own data: the epoch's shuffled order
     of arrays, or, after an out-of-memory error at step k, the samples
-    from step k on at the new batch size.
+    from step k on at the new batch size. The runner owns no size: it
+    asks the `SizePolicy` (which asks the `SizePlanner`), asks `Position`
+    where to go on, applies the answers, logs each decision in one line
+    and records its `OOMEvent`. The state that changes during the call
+    lives in those owners; the runner's own is `next`, the
+    `ResumePoint` the next attempt starts at.
     """
 
-    def __init__(self, model, settings: FitSettings, callbacks: list):
+    def __init__(
+        self,
+        model,
+        settings: FitSettings,
+        *,
+        train_source: Source,
+        validation_source: Source | None,
+        other_arguments: dict,
+        policy: SizePolicy,
+        planner: SizePlanner,
+        backup: _backup.Decisions,
+        guard: StepGuard,
+        history: FitHistory,
+        callbacks: list,
+    ):
         self.model = model
         self.settings = settings
-        self.other_arguments = dict(settings.other_arguments)
-        self.train_source, self.validation_source = _split_for_validation(
-            settings, self.other_arguments
-        )
+        self.train_source = train_source
+        self.validation_source = validation_source
         # tfmemsafe shuffles arrays itself, one permutation per epoch from
         # a seed drawn from NumPy's generator (`set_random_seed` sets it).
-        self.shuffle = self.other_arguments.pop(
-            "shuffle", isinstance(self.train_source, Arrays)
+        self.shuffle = other_arguments.pop(
+            "shuffle", isinstance(train_source, Arrays)
         )
+        self.other_arguments = other_arguments
         self.seed = int(np.random.randint(2**31))
-        self.sizes = FitSizes(model, settings, self.validation_source)
-        # Where the next attempt starts: epoch, training sample, and the
-        # validation sample when only the epoch's validation remains.
-        self.resume_epoch = settings.initial_epoch
+        self.policy = policy
+        self.planner = planner
+        self.backup = backup
+        self.guard = guard
+        self.history = history
         self.first_epoch = settings.initial_epoch
-        self.skip = 0
-        self.validation_skip = None
-        self.resume_refusal = ""
-        self.guard = None
-        self.planner = _planning.SizePlanner(model, "tfmemsafe.fit")
-        self.history = _fit_history(callbacks)
-        self.decisions = _backup.Decisions(callbacks)
-        self.decisions.load(self.sizes.train, model)
-        if self.decisions.loaded and self.sizes.validation_follows_training:
-            self.sizes.validation.follow(self.sizes.train)
-        self.position = Position(settings.initial_epoch, guard=None)
+        self.next = ResumePoint(settings.initial_epoch)
+        self.position = Position(settings.initial_epoch, guard)
         self.epoch_start = EpochStart()
-        others = [c for c in callbacks if c is not self.history]
+        others = [c for c in callbacks if c is not history]
         self.callbacks = ResumableCallbackList(
-            monitors_first(
-                [self.position, self.epoch_start, *others, self.history]
-            ),
+            monitors_first([self.position, self.epoch_start, *others, history]),
             add_progbar=settings.verbose != 0,
             model=model,
         )
 
     def train(self) -> FitHistory:
-        settings = self.settings
-        # A stopped job's stored size was tried: no check then.
-        if settings.preflight and settings.memory_estimate:
-            if not self.decisions.loaded:
-                self.history.oom_events += _planning.preflight(
-                    self.planner, self.sizes, self.train_source, settings
-                )
-        self.guard = StepGuard(
-            self.model,
-            optimizers_of(self.model),
-            gradient_accumulators_of(self.model),
-        )
-        self.position.guard = self.guard
-        try:
-            self._begin()
-            retry_on_oom(self.model, self._attempt, self._on_oom, self._recover)
-        finally:
-            self.guard.close()
+        self._begin()
+        retry_on_oom(self.model, self._attempt, self._on_oom, self._recover)
         self.callbacks.end_run(self.position.last_logs)
-        self.history.batch_size = self.sizes.train.batch_size
+        self.history.batch_size = self.policy.batch_size(TRAINING)
         return self.history
 
     def _begin(self) -> None:
@@ -184,26 +131,45 @@ class FitRun:
         restored = getattr(self.model, "_initial_epoch", None)
         self.model._initial_epoch = None
         self.first_epoch = max(self.settings.initial_epoch, restored or 0)
-        self.resume_epoch = self.first_epoch
+        self.next = ResumePoint(self.first_epoch)
 
     def _attempt(self) -> None:
         """Trains from where the last attempt stopped to the last epoch."""
-        if self.validation_skip is not None:
-            self._finish_validation(self.resume_epoch, self.validation_skip)
-            self.resume_epoch, self.skip = self.resume_epoch + 1, 0
-            self.validation_skip = None
+        point = self.next
+        epoch = point.epoch
+        if point.validation_skip is not None:
+            self._finish_validation(epoch, point.validation_skip)
+            self._trained(TRAINING, VALIDATION)
+            epoch += 1
+            self.next = ResumePoint(epoch)
             if self.model.stop_training:
                 return
-        while self.resume_epoch < self.settings.epochs:
-            self._fit_epoch(self.resume_epoch, self.skip)
-            self.resume_epoch, self.skip = self.resume_epoch + 1, 0
+        while epoch < self.settings.epochs:
+            self._fit_epoch(epoch, self.next)
+            self._trained(TRAINING, VALIDATION)
+            epoch += 1
+            self.next = ResumePoint(epoch)
             if self.model.stop_training:
                 return
 
-    def _fit_epoch(self, epoch: int, skip: int) -> None:
+    def _trained(self, *phases: str) -> None:
+        """Tells the planner which of `phases` ran steps at their size."""
+        done = {
+            TRAINING: self.position.steps_done,
+            VALIDATION: self.position.validation_steps_done,
+        }
+        for phase in phases:
+            if done[phase] and self._source(phase) is not None:
+                self.planner.record_trained(
+                    phase, self._source(phase), self.policy.batch_size(phase)
+                )
+
+    def _fit_epoch(self, epoch: int, point: ResumePoint) -> None:
         settings = self.settings
         source = self.train_source
-        size = self.sizes.train.batch_size
+        size = self.policy.batch_size(TRAINING)
+        skip = point.skip if point.epoch == epoch else 0
+        begun = point.epoch == epoch and point.begun
         order = None
         if self.shuffle and isinstance(source, Arrays):
             order = np.random.default_rng([self.seed, epoch]).permutation(
@@ -214,23 +180,25 @@ class FitRun:
         # Keras ignores `shuffle` for datasets (and warns when it is
         # True); arrays are shuffled here.
         arguments["shuffle"] = False
-        steps = self.sizes.train.scaled_steps(settings.steps_per_epoch)
+        steps = self.policy.scaled_steps(TRAINING, settings.steps_per_epoch)
         done = self.position.steps_done if skip else 0
         total = steps or source.num_batches(arguments)
         total = done + total if total else None
-        self.callbacks.set_params(_params(settings, total))
         if self.validation_source is not None:
             arguments.update(
                 self.validation_source.validation_arguments(
-                    self.sizes.validation.batch_size
+                    self.policy.batch_size(VALIDATION)
                 ),
-                validation_steps=self.sizes.validation.scaled_steps(
-                    settings.validation_steps
+                validation_steps=self.policy.scaled_steps(
+                    VALIDATION, settings.validation_steps
                 ),
             )
-            self.position.start_validation(0, self.sizes.validation.batch_size)
+            self.position.start_validation(
+                0, self.policy.batch_size(VALIDATION)
+            )
         self.position.start_epoch(skip, size)
-        self.callbacks.resume_at(epoch if skip else None, done)
+        self.callbacks.set_params(_params(settings, total))
+        self.callbacks.resume_at(epoch if begun else None, done)
         try:
             self.model.fit(
                 **arguments,
@@ -245,7 +213,7 @@ class FitRun:
 
     def _finish_validation(self, epoch: int, skip: int) -> None:
         """Runs the rest of `epoch`'s validation, then ends the epoch."""
-        size = self.sizes.validation.batch_size
+        size = self.policy.batch_size(VALIDATION)
         self.position.start_validation(skip, size)
         self.callbacks.resume_validation_at(
             self.position.validation_steps_done if skip else 0
@@ -253,8 +221,8 @@ class FitRun:
         try:
             logs = self.model.evaluate(
                 **self.validation_source.keras_arguments(size, skip),
-                steps=self.sizes.validation.scaled_steps(
-                    self.settings.validation_steps
+                steps=self.policy.scaled_steps(
+                    VALIDATION, self.settings.validation_steps
                 ),
                 callbacks=self.callbacks,
                 return_dict=True,
@@ -268,125 +236,106 @@ class FitRun:
 
     def _on_oom(self, err: BaseException) -> _Failure:
         """Halves the failed phase's batch, or raises OutOfMemoryError."""
+        phase = self.position.phase
+        self.planner.record_ran_out(
+            phase, self._source(phase), self.policy.batch_size(phase)
+        )
         strategy = self.model.distribute_strategy
         if distribute.is_multi_worker(strategy):
-            training = self.position.phase == "training"
-            raise self.decisions.stop_all_workers(
-                err,
-                strategy,
-                self.sizes.train,
-                self.model,
-                halve=(lambda: self._event(self._halve(err)))
-                if training
-                else None,
-            ) from err
+            stop, decision = self.backup.stop_all_workers(
+                err, phase, self.policy, strategy
+            )
+            if decision is not None:
+                self._record(self._failure(decision, err, False), None)
+            raise stop from err
         try:
-            return self._halve(err)
+            decision = self.policy.halve(phase, err)
         except OutOfMemoryError as gave_up:
             raise self._give_up(gave_up) from err
+        # Read now: estimating trains, and so sets the marker.
+        return self._failure(decision, err, self.guard.touched())
 
-    def _halve(self, err: BaseException) -> _Failure:
-        """Halves the failed phase's batch once; notes what failed."""
-        phase = self.position.phase
-        before, steps_before, _ = self.sizes.halve(err, phase)
+    def _failure(self, decision, err, update_began: bool) -> _Failure:
         return _Failure(
-            phase=phase,
+            decision=decision,
             epoch=self.position.epoch,
             step=self.position.step,
-            batch_size_before=before,
-            accumulation_steps_before=steps_before,
             error=_messages.error_line(err),
-            # Read now: estimating trains, and so sets the marker.
-            update_began=self.guard.touched(),
+            update_began=update_began,
         )
 
-    def _event(self, failure: _Failure) -> OOMEvent:
-        """Records the recovery from `failure` at the sizes now chosen."""
-        phase = failure.phase
-        sizes = self.sizes.of(phase)
-        steps_before = failure.accumulation_steps_before
-        accumulation_steps = accumulation_steps_of(self.model)
-        resumed_at_step = None
-        if phase == "training":
-            self.resume_refusal = _resume_refusal(
-                self.position,
-                failure.update_began,
-                self.settings,
-                self.train_source.position_is_reproducible(sizes.batch_size),
+    def _recover(self, failure: _Failure) -> None:
+        """Jumps to a size predicted to fit; goes on where it can."""
+        phase = failure.decision.phase
+        decision = self.policy.jump(
+            failure.decision, self.planner, self._source(phase)
+        )
+        point = self.position.resume_point(
+            update_began=failure.update_began,
+            steps_fixed=(
+                self.settings.steps_per_epoch
+                if phase == TRAINING
+                else self.settings.validation_steps
             )
-            if not self.resume_refusal:
-                resumed_at_step = self.position.steps_done
-                if steps_before and accumulation_steps:
-                    _carry_partial_window(
-                        self.model, accumulation_steps / steps_before
-                    )
-        elif (
-            self.validation_source.position_is_reproducible(sizes.batch_size)
-            and self.settings.validation_steps is None
-        ):
-            # Training of the epoch is done: it is never replayed. The
-            # validation goes on at its failed step, or starts again (0).
-            resumed_at_step = self.position.validation_steps_done
+            is not None,
+            reproducible=self._source(phase).position_is_reproducible(
+                decision.batch_size_after
+            ),
+        )
+        self.callbacks.abandon_attempt()
+        self.position.abandon_attempt()
+        if point.resumed_at_step is not None:
+            # Only what the failed step's forward pass changed: metrics,
+            # moving statistics, seeds.
+            self.guard.restore_small_state()
+            self.position.carry_metrics()
+            before = decision.accumulation_steps_before
+            after = decision.accumulation_steps_after
+            if phase == TRAINING and before and after:
+                _carry_partial_window(self.model, after / before)
         else:
-            resumed_at_step = 0
+            self.epoch_start.restore()
+            forget_epoch(
+                self.history, point.epoch, self.position.epoch_end_keys
+            )
+        event = self._record(
+            dataclasses.replace(failure, decision=decision),
+            resumed_at_step=point.resumed_at_step,
+        )
+        self.next = point
+        # `BackupAndRestore` sets this private attribute in `on_train_begin`,
+        # and `fit` would prefer it to our `initial_epoch`.
+        self.model._initial_epoch = None
+        logging.warning(
+            "tfmemsafe.fit: out of memory in epoch %d, %s step %d: %s. "
+            "Resuming at %s.",
+            event.epoch + 1,
+            event.phase,
+            event.step,
+            decision.describe(),
+            point.describe(),
+        )
+
+    def _record(self, failure: _Failure, resumed_at_step) -> OOMEvent:
+        """The `OOMEvent` of `failure`, appended to the history."""
+        decision = failure.decision
         event = OOMEvent(
             epoch=failure.epoch,
             step=failure.step,
-            phase=phase,
-            batch_size_before=failure.batch_size_before,
-            batch_size_after=sizes.batch_size,
-            accumulation_steps=accumulation_steps,
+            phase=decision.phase,
+            batch_size_before=decision.batch_size_before,
+            batch_size_after=decision.batch_size_after,
+            accumulation_steps=decision.accumulation_steps_after,
             error=failure.error,
             resumed_at_step=resumed_at_step,
         )
         self.history.oom_events.append(event)
         return event
 
-    def _recover(self, failure: _Failure) -> None:
-        """Jumps to a size predicted to fit; goes on where it can."""
-        if self.settings.memory_estimate:
-            training = failure.phase == "training"
-            source = self.train_source if training else self.validation_source
-            self.sizes.jump(failure.phase, self.planner, source)
-        event = self._event(failure)
-        self.callbacks.abandon_attempt()
-        self.position.abandon_attempt()
-        self.resume_epoch = event.epoch
-        self.skip, self.validation_skip = 0, None
-        if event.phase == "validation":
-            self.validation_skip = 0
-            where = f"the start of the validation of epoch {event.epoch + 1}"
-            if event.resumed_at_step:
-                self.guard.restore_small_state()
-                self.position.carry_metrics()
-                self.validation_skip = self.position.validation_samples_done
-                where = (
-                    f"validation step {event.resumed_at_step} of epoch "
-                    f"{event.epoch + 1}"
-                )
-        elif event.resumed_at_step is not None:
-            # Only what the failed step's forward pass changed: metrics,
-            # moving statistics, seeds.
-            self.guard.restore_small_state()
-            self.position.carry_metrics()
-            self.skip = self.position.samples_done
-            where = f"step {event.resumed_at_step} of epoch {event.epoch + 1}"
-        else:
-            self.epoch_start.restore()
-            forget_epoch(
-                self.history, event.epoch, self.position.epoch_end_keys
-            )
-            where = (
-                f"the start of epoch {event.epoch + 1} ({self.resume_refusal})"
-            )
-        # `BackupAndRestore` sets this private attribute in `on_train_begin`,
-        # and `fit` would prefer it to our `initial_epoch`.
-        self.model._initial_epoch = None
-        logging.warning(
-            "tfmemsafe.fit: out of memory in %s. Resuming at %s.",
-            event,
-            where,
-        )
+    def _source(self, phase: str) -> Source | None:
+        if phase == VALIDATION:
+            return self.validation_source
+        return self.train_source
 
     def _give_up(self, error: OutOfMemoryError) -> OutOfMemoryError:
         """Puts back the last completed epoch's state; says so."""
@@ -408,22 +357,6 @@ def _params(settings: FitSettings, steps) -> dict:
     }
 
 
-def _resume_refusal(position, update_began, settings, reproducible) -> str:
-    """Why training cannot go on at the failed step, or `""` if it can."""
-    if position.ending:
-        return "it came after the epoch's last step"
-    if update_began:
-        return "an update had begun when memory ran out"
-    if settings.steps_per_epoch is not None:
-        return "`steps_per_epoch` is set"
-    if not reproducible:
-        return (
-            "the data does not give the same order again: shuffled "
-            "without a fixed seed, or not deterministic"
-        )
-    return ""
-
-
 def _with_state(error: OutOfMemoryError, state: str, model) -> OutOfMemoryError:
     """`error` with a sentence saying which state the model is left in."""
     optimizer = model.optimizer
@@ -441,22 +374,6 @@ def _with_state(error: OutOfMemoryError, state: str, model) -> OutOfMemoryError:
     )
 
 
-def _split_for_validation(settings: FitSettings, other_arguments: dict):
-    """The training and validation sources, `validation_split` applied.
-
-    Arrays are split once, as Keras splits them (the last rows), so that
-    the rest of an epoch is never split again; other data keeps the
-    argument for Keras.
-    """
-    split = other_arguments.pop("validation_split", None)
-    train, validation = settings.train_source, settings.validation_source
-    if split and validation is None:
-        if isinstance(train, Arrays):
-            return train.split(split)
-        other_arguments["validation_split"] = split
-    return train, validation
-
-
 def _carry_partial_window(model, ratio: float) -> None:
     """Keeps an `AccumulatingModel`'s partial window for the resumed call.
 
@@ -466,23 +383,3 @@ def _carry_partial_window(model, ratio: float) -> None:
     carry = getattr(model, "_carry_partial_window", None)
     if carry is not None:
         carry(ratio)
-
-
-def _fit_history(callbacks: list) -> FitHistory:
-    """The `History` in `callbacks`, made a `FitHistory`, or a new one."""
-    for callback in callbacks:
-        if isinstance(callback, keras.callbacks.History):
-            if not isinstance(callback, FitHistory):
-                callback.__class__ = _with_fit_history(type(callback))
-            callback.oom_events = []
-            callback.batch_size = None
-            return callback
-    return FitHistory()
-
-
-@functools.cache
-def _with_fit_history(cls: type) -> type:
-    """`FitHistory`, or a subclass of both `cls` and `FitHistory`."""
-    if cls is keras.callbacks.History:
-        return FitHistory
-    return type(cls.__name__, (cls, FitHistory), {"__module__": cls.__module__})

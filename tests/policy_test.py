@@ -1,0 +1,431 @@
+"""Tests for the fit path's owners: the size policy, the planner's facts,
+where a run resumes, and what the user sees of each decision."""
+
+import contextlib
+import io
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfmemsafe
+from tfmemsafe import memory
+from tfmemsafe import testing
+from tfmemsafe.recovery import _planner
+from tfmemsafe.recovery import _policy
+from tfmemsafe._sources import source_for
+
+
+def _dense_model(seed=0, accumulation_steps=None):
+    keras.utils.set_random_seed(seed)
+    layers = [
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1),
+    ]
+    if accumulation_steps is None:
+        model = keras.Sequential(layers)
+    else:
+        inputs = layers[0]
+        outputs = layers[2](layers[1](inputs))
+        model = tfmemsafe.AccumulatingModel(
+            inputs, outputs, accumulation_steps=accumulation_steps
+        )
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    return model
+
+
+def _table(rows=256):
+    x = np.random.default_rng(1).normal(size=(rows, 4)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _oom(point):
+    return tf.errors.ResourceExhaustedError(
+        None, None, f"OOM when allocating tensor (injected: {point})"
+    )
+
+
+class _Planner:
+    """A planner that answers a fixed number of halvings."""
+
+    def __init__(self, halvings, why="peak 9.0 MiB predicted"):
+        self.answer = (halvings, why)
+        self.asked = []
+
+    def halvings(self, phase, source, batch_size, floor, *, largest_probe):
+        self.asked.append((phase, batch_size, largest_probe))
+        return self.answer
+
+
+class SizePolicyTest(tf.test.TestCase):
+    def test_validation_follows_training_until_it_fails_itself(self):
+        policy = _policy.SizePolicy(
+            _dense_model(),
+            {"training": 64, "validation": None},
+            min_batch_size=1,
+            max_retries=None,
+        )
+        policy.halve("training", _oom(1))
+        self.assertEqual(policy.tried("validation"), (64, 32))
+        policy.halve("validation", _oom(2))
+        policy.halve("training", _oom(3))
+        self.assertEqual(policy.tried("training"), (64, 32, 16))
+        self.assertEqual(policy.tried("validation"), (64, 32, 16))
+        self.assertEqual(policy.batch_size("validation"), 16)
+
+    def test_phases_share_one_retry_budget(self):
+        policy = _policy.SizePolicy(
+            _dense_model(),
+            {"training": 64, "validation": 64},
+            min_batch_size=1,
+            max_retries=2,
+        )
+        policy.halve("training", _oom(1))
+        policy.halve("validation", _oom(2))
+        with self.assertRaisesRegex(
+            tfmemsafe.OutOfMemoryError,
+            "Could not fit a training batch of 32 after trying 64, 32, "
+            "and `max_retries` is used up",
+        ) as caught:
+            policy.halve("training", _oom(3))
+        self.assertIsInstance(
+            caught.exception.__cause__, tf.errors.ResourceExhaustedError
+        )
+
+    def test_the_jump_is_one_decision_at_the_final_size(self):
+        model = _dense_model()
+        policy = _policy.SizePolicy(
+            model, {"training": 4096}, min_batch_size=1, max_retries=None
+        )
+        first = policy.halve("training", _oom(1))
+        decision = policy.jump(first, _Planner(2), source=None)
+        self.assertEqual(
+            (decision.batch_size_before, decision.batch_size_after),
+            (4096, 512),
+        )
+        self.assertEqual(policy.tried("training"), (4096, 512))
+        # What each update averages is said for the size training goes
+        # on with, not for the halving before the jump.
+        self.assertIn(
+            "averages 512 samples instead of 4096", decision.describe()
+        )
+        self.assertEqual(policy.retries, 1)
+
+    def test_accumulation_steps_keep_the_effective_batch(self):
+        model = _dense_model(accumulation_steps=2)
+        policy = _policy.SizePolicy(
+            model, {"training": 256}, min_batch_size=1, max_retries=None
+        )
+        decision = policy.jump(
+            policy.halve("training", _oom(1)), _Planner(1), source=None
+        )
+        self.assertEqual(model.accumulation_steps, 8)
+        self.assertEqual(
+            (
+                decision.accumulation_steps_before,
+                decision.accumulation_steps_after,
+            ),
+            (2, 8),
+        )
+        self.assertEqual(decision.effective_batch, "")
+
+    def test_preflight_replaces_the_size_asked_for(self):
+        model = _dense_model(accumulation_steps=1)
+        policy = _policy.SizePolicy(
+            model, {"training": 1024}, min_batch_size=1, max_retries=0
+        )
+        planner = _Planner(3)
+        decision = policy.preflight(planner, source=None)
+        self.assertEqual(planner.asked, [("training", 1024, 512)])
+        self.assertEqual(policy.tried("training"), (128,))
+        self.assertEqual(policy.requested("training"), 1024)
+        self.assertEqual(policy.scaled_steps("training", 2), 16)
+        self.assertEqual(model.accumulation_steps, 8)
+        self.assertEqual(decision.batch_size_before, 1024)
+        self.assertEqual(policy.retries, 0)
+
+    def test_halving_stops_at_a_replica_per_sample_floor(self):
+        policy = _policy.SizePolicy(
+            _dense_model(),
+            {"evaluation": 3},
+            min_batch_size=3,
+            max_retries=None,
+        )
+        with self.assertRaisesRegex(
+            tfmemsafe.OutOfMemoryError,
+            "half of it would be below `min_batch_size`=3",
+        ):
+            policy.halve("evaluation", _oom(1))
+
+
+class PlannerFactsTest(tf.test.TestCase):
+    def _planner(self, model):
+        # No estimate: only what was measured answers.
+        return _planner.SizePlanner(model, "test", memory_estimate=False)
+
+    def test_a_size_that_trained_is_not_halved(self):
+        model = _dense_model()
+        source = source_for(_table(), "data", labelled=True)
+        planner = self._planner(model)
+        planner.record_trained("training", source, 448)
+        self.assertEqual(
+            planner.halvings("training", source, 448, 1, largest_probe=224),
+            (0, ""),
+        )
+
+    def test_facts_hold_for_every_source_of_the_same_shape(self):
+        model = _dense_model()
+        x, y = _table()
+        first = source_for((x, y), "data", labelled=True)
+        second = source_for(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
+            "data",
+            labelled=True,
+        )
+        self._planner(model).record_ran_out("training", first, 512)
+        halvings, why = self._planner(model).halvings(
+            "training", second, 1024, 1, largest_probe=512
+        )
+        self.assertEqual(halvings, 2)
+        self.assertIn("batch size 512 ran out of memory", why)
+
+    def test_facts_are_per_step_and_per_model(self):
+        model = _dense_model()
+        source = source_for(_table(), "data", labelled=True)
+        self._planner(model).record_ran_out("training", source, 64)
+        self.assertEqual(
+            self._planner(model).halvings(
+                "evaluation", source, 64, 1, largest_probe=32
+            ),
+            (0, ""),
+        )
+        self.assertEqual(
+            self._planner(_dense_model()).halvings(
+                "training", source, 64, 1, largest_probe=32
+            ),
+            (0, ""),
+        )
+
+    def test_a_newer_measurement_wins(self):
+        model = _dense_model()
+        source = source_for(_table(), "data", labelled=True)
+        planner = self._planner(model)
+        planner.record_trained("training", source, 256)
+        planner.record_ran_out("training", source, 256)
+        self.assertEqual(
+            planner.halvings("training", source, 256, 1, largest_probe=128)[0],
+            1,
+        )
+        planner.record_trained("training", source, 256)
+        self.assertEqual(
+            planner.halvings("training", source, 256, 1, largest_probe=128)[0],
+            0,
+        )
+
+
+class PeakWindowTest(tf.test.TestCase):
+    def test_a_measurement_inside_keeps_the_peak_outside(self):
+        device = "CPU:0"
+        if memory.memory_info(device).peak_bytes is None:
+            self.skipTest("CPU:0 keeps no allocator statistics here.")
+        memory.reset_peak_memory(device)
+        big = tf.ones((16, 1024, 1024))  # 64 MiB
+        del big
+        window = memory.PeakWindow([device])
+        window.reset()
+        small = tf.ones((1024,))
+        del small
+        self.assertLess(window.peak_bytes(device), 32 * 2**20)
+        self.assertGreaterEqual(
+            memory.memory_info(device).peak_bytes, 64 * 2**20
+        )
+        memory.reset_peak_memory(device)
+        self.assertLess(memory.memory_info(device).peak_bytes, 32 * 2**20)
+
+    def test_fits_within_is_the_one_rule(self):
+        self.assertTrue(memory.fits_within(90, 100))
+        self.assertFalse(memory.fits_within(91, 100))
+        self.assertTrue(memory.fits_within(50, 100, headroom=0.5))
+        self.assertEqual(memory.usable_bytes(200), 180)
+
+
+class _RaiseOutOfMemory(keras.callbacks.Callback):
+    """Raises a `ResourceExhaustedError` once at each `(epoch, step)`,
+    after allocating `hold_mb` so that the failed step has a peak."""
+
+    def __init__(self, *points, hold_mb=0):
+        super().__init__()
+        self.points = set(points)
+        self.hold_mb = hold_mb
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        point = (self.epoch, batch)
+        if point in self.points:
+            self.points.discard(point)
+            held = tf.ones((self.hold_mb, 256, 1024)) if self.hold_mb else 0
+            del held
+            raise _oom(point)
+
+
+class _EpochBegins(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.begins = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begins.append(epoch)
+
+
+class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(("first_step", 0), ("later_step", 3))
+    def test_callbacks_see_a_resumed_epoch_begin_once(self, step):
+        begins = _EpochBegins()
+        history = tfmemsafe.fit(
+            _dense_model(),
+            _table(),
+            batch_size=32,
+            epochs=2,
+            shuffle=False,
+            callbacks=[_RaiseOutOfMemory((1, step)), begins],
+            verbose=0,
+        )
+        self.assertEqual(history.oom_events[0].resumed_at_step, step)
+        self.assertEqual(begins.begins, [0, 1])
+        self.assertEqual(history.epoch, [0, 1])
+
+    def test_progress_of_a_resumed_epoch_ends_at_its_total(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            tfmemsafe.fit(
+                _dense_model(),
+                _table(),
+                batch_size=32,
+                epochs=1,
+                shuffle=False,
+                callbacks=[_RaiseOutOfMemory((0, 3))],
+                verbose=1,
+            )
+        text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # Colours.
+        counts = re.findall(r"(\d+)/(\d+) ", text)
+        self.assertNotEmpty(counts)
+        for done, total in counts:
+            self.assertLessEqual(int(done), int(total))
+        # 3 steps of 32, then the other 160 samples in 10 steps of 16.
+        self.assertEqual(counts[-1], ("13", "13"))
+
+    def test_one_log_line_says_the_size_training_goes_on_with(self):
+        with self.assertLogs(level="WARNING") as logs:
+            history = tfmemsafe.fit(
+                _dense_model(),
+                _table(),
+                batch_size=64,
+                epochs=1,
+                shuffle=False,
+                memory_estimate=False,
+                callbacks=[_RaiseOutOfMemory((0, 1))],
+                verbose=0,
+            )
+        lines = [
+            r.getMessage()
+            for r in logs.records
+            if "tfmemsafe" in r.getMessage()
+        ]
+        self.assertLen(lines, 1)
+        self.assertIn("batch size 64 -> 32", lines[0])
+        self.assertIn("averages 32 samples instead of 64", lines[0])
+        self.assertIn("Resuming at step 1 of epoch 1", lines[0])
+        self.assertEqual(history.batch_size, 32)
+
+    def test_the_epoch_that_ran_out_reports_the_failed_step_peak(self):
+        if memory.memory_info("CPU:0").peak_bytes is None:
+            self.skipTest("CPU:0 keeps no allocator statistics here.")
+        monitor = tfmemsafe.MemoryMonitor(devices="CPU:0")
+        history = tfmemsafe.fit(
+            _dense_model(),
+            _table(),
+            batch_size=32,
+            epochs=2,
+            shuffle=False,
+            # The failed step held 64 MiB; estimating after it runs
+            # probes of a few MiB, which reset the allocator's peak.
+            callbacks=[monitor, _RaiseOutOfMemory((0, 2), hold_mb=64)],
+            verbose=0,
+        )
+        peaks = history.history["memory_peak_mb"]
+        self.assertGreaterEqual(peaks[0], 64.0)
+        self.assertLess(peaks[1], 64.0)
+
+    def test_arrays_of_different_lengths_are_refused_as_keras_does(self):
+        x, y = _table()
+        with self.assertRaisesRegex(
+            ValueError,
+            "Data cardinality is ambiguous: the arrays of `data` must all "
+            "hold the same number of samples. Received: x sizes: 256, y "
+            "sizes: 200",
+        ):
+            tfmemsafe.fit(
+                _dense_model(), (x, y[:200]), batch_size=32, shuffle=True
+            )
+
+
+class MeasuredBeatsPredictedTest(tf.test.TestCase):
+    def test_fit_trains_at_the_size_the_finder_found(self):
+        # Under a real cap the pre-flight check's estimate can predict a
+        # size that trains not to fit; what the finder measured wins.
+        result = testing.run_with_memory_cap(_find_then_fit, 250)
+        self.assertEqual(result["fit_batch_size"], result["found"])
+        self.assertEqual(result["events"], [])
+        self.assertEqual(result["validation_fit_batch_size"], result["found"])
+
+
+def _find_then_fit():
+    import numpy as np  # noqa: F401  (the child's own imports)
+
+    import tfmemsafe as tms
+
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).random((1024, 32, 32, 3), "float32")
+    y = np.random.default_rng(1).integers(0, 10, 1024)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(10),
+            ]
+        )
+        net.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+        return net
+
+    net = model()
+    found = tms.find_max_batch_size(net, (x, y), max_batch_size=512)
+    history = tms.fit(net, (x, y), batch_size=found, epochs=1, verbose=0)
+    validated = tms.fit(
+        net,
+        (x, y),
+        batch_size=found,
+        epochs=1,
+        validation_data=(x[:256], y[:256]),
+        verbose=0,
+    )
+    return {
+        "found": found,
+        "fit_batch_size": history.batch_size,
+        "validation_fit_batch_size": validated.batch_size,
+        "events": [str(e) for e in history.oom_events + validated.oom_events],
+    }
+
+
+if __name__ == "__main__":
+    tf.test.main()
