@@ -13,9 +13,9 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import memory
 from tfmemsafe import testing
+from tfmemsafe._sources import source_for
 from tfmemsafe.recovery import _planner
 from tfmemsafe.recovery import _policy
-from tfmemsafe._sources import source_for
 
 
 def _dense_model(seed=0, accumulation_steps=None):
