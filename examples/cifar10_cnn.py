@@ -1,10 +1,12 @@
 r"""Trains a CNN from scratch on CIFAR-10 (or digits) without running out.
 
 A VGG-style network (blocks of two 3x3 convolutions with batch
-normalization, then max-pooling) is trained through `tfmemsafe.fit`: when
-a batch does not fit in memory, the batch is halved and the gradient
-accumulation doubled, so training goes on from the start of the failed
-epoch with the same effective batch. `--checkpointing` recomputes the
+normalization, then max-pooling) is trained through `tfmemsafe.fit`:
+before the first step it starts at a size its memory estimate predicts to
+fit (`--preflight`), and when a batch still does not fit it goes to a
+smaller one (half, or the largest halving predicted to fit), doubles the
+gradient accumulation as often, and goes on at the failed step with the
+same effective batch. `--checkpointing` recomputes the
 convolution blocks' activations in the backward pass instead of keeping
 them. A `tfmemsafe.MemoryMonitor` records the memory used.
 

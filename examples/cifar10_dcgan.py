@@ -3,9 +3,10 @@ r"""Trains a DCGAN on CIFAR-10 (or digits), with gradient accumulation.
 Two networks, each with its own Adam optimizer (wrapped in a
 `keras.optimizers.LossScaleOptimizer` under mixed precision) and its own
 `tfmemsafe.GradientAccumulator`, trained by a custom `train_step` through
-`tfmemsafe.fit`: when a batch does not fit in memory, the batch is halved
-and both accumulators accumulate twice as many micro-batches, so each
-update still averages as many samples. After every epoch a grid of
+`tfmemsafe.fit`: when a batch does not fit in memory, the batch shrinks
+(by half, or to the largest halving predicted to fit), both accumulators
+accumulate as many more micro-batches, so each update still averages as
+many samples, and training goes on at the failed step. After every epoch a grid of
 samples from a fixed set of latent vectors is written as a PNG.
 
     python examples/cifar10_dcgan.py --dataset=digits --epochs=20

@@ -4,6 +4,7 @@ where a run resumes, and what the user sees of each decision."""
 import contextlib
 import io
 import re
+from unittest import mock
 
 import keras
 import numpy as np
@@ -376,6 +377,35 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
 
 
 class MeasuredBeatsPredictedTest(tf.test.TestCase):
+    def test_a_size_the_finder_trained_is_not_cut_by_a_noisy_estimate(self):
+        # Pins the estimate's noise: it predicts that nothing fits, as a
+        # noisy one did for a size that trains (448 -> 112 under a cap).
+        pessimistic = tfmemsafe.MemoryEstimate(
+            device="CPU:0",
+            limit_bytes=2**30,
+            fixed_bytes=2 * 2**30,
+            per_sample_bytes=2**20,
+            measurements=((8, 2 * 2**30), (16, 2 * 2**30 + 2**23)),
+        )
+        model = _dense_model()
+        data = _table()
+        with mock.patch.object(
+            _planner.estimate_lib, "estimate_source", return_value=pessimistic
+        ):
+            found = tfmemsafe.find_max_batch_size(
+                model, data, max_batch_size=128
+            )
+            history = tfmemsafe.fit(
+                model,
+                data,
+                batch_size=found,
+                validation_data=data,
+                verbose=0,
+            )
+        self.assertEqual(found, 128)
+        self.assertEqual(history.batch_size, 128)
+        self.assertEqual(history.oom_events, [])
+
     def test_fit_trains_at_the_size_the_finder_found(self):
         # Under a real cap the pre-flight check's estimate can predict a
         # size that trains not to fit; what the finder measured wins.

@@ -4,6 +4,7 @@ import contextlib
 import os
 from unittest import mock
 
+import import_order_children
 import runtime_children
 import tensorflow as tf
 from absl.testing import parameterized
@@ -341,6 +342,34 @@ class PolicyChoiceTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLen(config.memory_growth_gpus, len(gpus))
         for gpu in gpus:
             self.assertTrue(tf.config.experimental.get_memory_growth(gpu))
+
+
+class TensorFlowLogsTest(tf.test.TestCase):
+    """TensorFlow's allocator dump stays out of sight when tfmemsafe is
+    imported first; the one line that counts a failed allocation stays."""
+
+    def _run(self, **kwargs):
+        return testing.run_with_memory_cap(
+            import_order_children.out_of_memory_lines,
+            200,
+            kwargs=kwargs,
+            # Whatever this process was started with: tfmemsafe decides.
+            env={"TF_CPP_MIN_LOG_LEVEL": ""},
+        )
+
+    def test_importing_tfmemsafe_first_hides_the_allocator_dump(self):
+        hidden, shown = (
+            self._run(),
+            self._run(tensorflow_first=True),
+        )
+        self.assertEqual(hidden["allocator_failures"], 1)
+        self.assertEqual(shown["allocator_failures"], 1)
+        self.assertIn("INFO hidden", hidden["tensorflow_logs"])
+        self.assertIn("imported before tfmemsafe", shown["tensorflow_logs"])
+        # The dump is one INFO line per bin and chunk: dozens even in a
+        # fresh process, ~1,900 after training.
+        self.assertLess(hidden["lines"], 20)
+        self.assertGreater(shown["lines"], hidden["lines"] + 20)
 
 
 if __name__ == "__main__":
