@@ -376,6 +376,71 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
             )
 
 
+def _pinned_estimate():
+    """An estimate in which 64 fits 90% of 100 MiB and 128 does not."""
+    return tfmemsafe.MemoryEstimate(
+        device="CPU:0",
+        limit_bytes=100 * 2**20,
+        fixed_bytes=10 * 2**20,
+        per_sample_bytes=2**20,
+        measurements=((8, 18 * 2**20), (16, 26 * 2**20)),
+    )
+
+
+def _jump_with_a_pinned_estimate(replicas=1):
+    """An OOM at 256, with the estimate pinned: one jump to 64."""
+    if replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * replicas
+        )
+    strategy = (
+        tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+        if replicas > 1
+        else tf.distribute.get_strategy()
+    )
+    with strategy.scope():
+        model = _dense_model(accumulation_steps=1)
+    with mock.patch.object(
+        _planner.estimate_lib,
+        "estimate_source",
+        return_value=_pinned_estimate(),
+    ):
+        history = tfmemsafe.fit(
+            model,
+            _table(512),
+            batch_size=256,
+            preflight=False,
+            shuffle=False,
+            callbacks=[_RaiseOutOfMemory((0, 1))],
+            verbose=0,
+        )
+    return {
+        "events": [
+            (e.batch_size_before, e.batch_size_after, e.accumulation_steps)
+            for e in history.oom_events
+        ],
+        "batch_size": history.batch_size,
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+class JumpTest(tf.test.TestCase):
+    def test_one_error_jumps_to_the_largest_halving_predicted_to_fit(self):
+        result = _jump_with_a_pinned_estimate()
+        self.assertEqual(result["events"], [(256, 64, 4)])
+        self.assertEqual(result["batch_size"], 64)
+        # 512 samples of updates of 256: 2, whatever the micro-batches.
+        self.assertEqual(result["iterations"], 2)
+
+    def test_the_jump_is_the_same_under_a_mirrored_strategy(self):
+        result = testing.run_in_subprocess(
+            _jump_with_a_pinned_estimate, kwargs={"replicas": 2}, timeout=300
+        )
+        self.assertEqual(result["events"], [[256, 64, 4]])
+        self.assertEqual(result["iterations"], 2)
+
+
 class MeasuredBeatsPredictedTest(tf.test.TestCase):
     def test_a_size_the_finder_trained_is_not_cut_by_a_noisy_estimate(self):
         # Pins the estimate's noise: it predicts that nothing fits, as a
