@@ -5,7 +5,7 @@ in a `MultiWorkerMirroredStrategy` cluster; `MultiWorkerBackupAndRestore`
 backs up from the chief only; `stop_all_workers` stops every worker when
 one runs out of memory. A plain Keras 3 model cannot be fit under that
 strategy at all; `tfmemsafe.AccumulatingModel` can (see
-`tfmemsafe/_multi_worker.py` for why and how).
+`tfmemsafe/accumulation/_multi_worker.py` for why and how).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and the two fixes that let Keras 3 train such a model under
 
 from tfmemsafe.accumulation._accumulator import GradientAccumulator
 from tfmemsafe.accumulation._model import AccumulatingModel
-from tfmemsafe.accumulation._model import with_gradient_accumulation
+from tfmemsafe.accumulation._wrapping import with_gradient_accumulation
 
 __all__ = [
     "AccumulatingModel",

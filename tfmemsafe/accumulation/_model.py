@@ -1,41 +1,30 @@
 """Gradient accumulation: the update of a batch of N×b, the memory of b.
 
 `AccumulatingModel` is a `keras.Model` whose `fit` sums the gradients of
-N micro-batches in a `GradientAccumulator` (see
-`tfmemsafe.gradient_accumulator`) and applies their sample-weighted mean
-once per window, so one optimizer step equals the step of one large
-batch. `with_gradient_accumulation` turns an existing model into one.
+N micro-batches in a `GradientAccumulator` and applies their
+sample-weighted mean once per window, so one optimizer step equals the
+step of one large batch. `with_gradient_accumulation` (in `_wrapping.py`)
+turns an existing model into one.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import keras
 import tensorflow as tf
 from absl import logging
 
-# Keras 3.15 has no public equivalent of these:
-# - `Functional`, the class of functional models: `keras.Model(inputs,
-#   outputs)` returns one, but the class itself is not exported, and a
-#   subclass built functionally must mix it in (as `keras.Model.__new__`
-#   does) and be told apart from one that is not.
-# - `object_registration.GLOBAL_CUSTOM_NAMES`: the public
-#   `keras.saving.register_keras_serializable` also maps the name back to
-#   the class, which would make loading build the functional variant
-#   instead of the registered class; only the class-to-name half is wanted.
-# - `python_utils.default`, the marker with which Keras keeps a subclass's
-#   automatic `get_config` (its `__init__` arguments) when the method is
-#   overridden.
-from keras.src.models.functional import Functional
-from keras.src.saving import object_registration
+# Keras 3.15 has no public equivalent of `python_utils.default`, the
+# marker with which Keras keeps a subclass's automatic `get_config` (its
+# `__init__` arguments) when the method is overridden.
 from keras.src.utils import python_utils
 
 from tfmemsafe import _checks
+from tfmemsafe.accumulation import _fit_callbacks
+from tfmemsafe.accumulation import _functional
 from tfmemsafe.accumulation._accumulator import GradientAccumulator
 from tfmemsafe.accumulation._multi_worker import MultiWorkerSupport
-from tfmemsafe.monitor import monitors_first
 
 
 @keras.saving.register_keras_serializable(package="tfmemsafe")
@@ -87,8 +76,8 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if _builds_functionally(cls, args, kwargs):
-            cls = _functional_variant(cls)
+        if _functional.builds_functionally(cls, args, kwargs):
+            cls = _functional.functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, accumulation_steps: int = 1, **kwargs):
@@ -187,8 +176,10 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
 
     def fit(self, *args, **kwargs):
         arguments = inspect.signature(super().fit).bind(*args, **kwargs)
-        arguments.arguments["callbacks"] = _ordered_callbacks(
-            arguments.arguments.get("callbacks"), _WindowCallback(), self
+        arguments.arguments["callbacks"] = _fit_callbacks.ordered_callbacks(
+            arguments.arguments.get("callbacks"),
+            _fit_callbacks.WindowCallback(),
+            self,
         )
         return super().fit(*arguments.args, **arguments.kwargs)
 
@@ -282,201 +273,6 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
         ):
             config["accumulation_steps"] = self.accumulation_steps
         return config
-
-
-class _WindowCallback(keras.callbacks.Callback):
-    """Starts each `fit` with empty windows and flushes them every epoch.
-
-    It runs first, so validation, checkpoints and early stopping all see
-    the weights with the epoch's last (partial) window applied.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._training = False
-
-    def on_train_begin(self, logs=None):
-        self._training = True
-        self.model._discard_partial_windows()
-
-    def on_test_begin(self, logs=None):
-        if self._training:  # Validation at the end of an epoch.
-            self.model.flush_gradients()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.model.flush_gradients()
-        if logs is not None and "skipped_windows" in logs:
-            logs["skipped_windows"] = self.model.skipped_windows
-
-    def on_train_end(self, logs=None):
-        self._training = False
-        skipped = self.model.skipped_windows
-        if skipped:
-            logging.info(
-                "%d accumulation windows were skipped because their "
-                "scaled gradients overflowed (each halved the loss scale).",
-                skipped,
-            )
-
-
-def _ordered_callbacks(callbacks, window_callback, model):
-    """Puts `window_callback` first, then every `MemoryMonitor`.
-
-    The window callback flushes partial windows before anything else sees
-    the epoch's end; the monitors come next so that every later callback
-    (checkpoints, early stopping, CSV and progress logs) finds
-    `memory_peak_mb` in `logs`. Others keep their order. `callbacks` is a
-    list or a `CallbackList` (reordered in place).
-    """
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        window_callback.set_model(model)
-        if callbacks.params:
-            window_callback.set_params(callbacks.params)
-        callbacks.callbacks[:] = [
-            window_callback,
-            *monitors_first(callbacks.callbacks),
-        ]
-        return callbacks
-    return [window_callback, *monitors_first(tf.nest.flatten(callbacks or []))]
-
-
-def _functional_arguments(args, kwargs) -> bool:
-    """Whether a model is being built as `Model(inputs, outputs)`."""
-    return (
-        len(args) == 2
-        or (len(args) == 1 and "outputs" in kwargs)
-        or ("inputs" in kwargs and "outputs" in kwargs)
-    )
-
-
-def _builds_functionally(cls, args, kwargs) -> bool:
-    """Whether `cls(*args, **kwargs)` builds a functional model.
-
-    Only a class that takes a functional model's arguments does: one with
-    no `__init__` of its own, or one that passes `*args, **kwargs` on (the
-    test Keras' `Model.from_config` makes). A subclass with arguments of
-    its own is built by its `__init__`, as with `keras.Model`:
-    `GAN(generator, discriminator)` is not `Model(inputs, outputs)`.
-    """
-    if issubclass(cls, Functional) or not _functional_arguments(args, kwargs):
-        return False
-    # `AccumulatingModel.__init__` itself takes `*args, **kwargs`.
-    spec = inspect.getfullargspec(cls.__init__)
-    return spec.varargs is not None and spec.varkw is not None
-
-
-@functools.cache
-def _functional_variant(cls):
-    """`cls` with `Functional` mixed in, for `cls(inputs, outputs)`.
-
-    Keras would instead rewrite `cls.__bases__` in place, which breaks
-    every later subclass of `cls` that is not built functionally.
-    """
-    variant = type(
-        cls.__name__,
-        (cls, Functional),
-        {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-        },
-    )
-    # Saved under the name of `cls`, so loading rebuilds it through `cls`.
-    object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
-        keras.saving.get_registered_name(cls)
-    )
-    return variant
-
-
-@keras.saving.register_keras_serializable(package="tfmemsafe")
-class _WrappedModel(AccumulatingModel):
-    """An `AccumulatingModel` that calls another model (sharing weights)."""
-
-    def __init__(self, inner_model, accumulation_steps=1, **kwargs):
-        super().__init__(accumulation_steps=accumulation_steps, **kwargs)
-        self.inner_model = inner_model
-        if inner_model.built:
-            self.built = True
-
-    def call(self, inputs, training=None):
-        return self.inner_model(inputs, training=training)
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "inner_model": keras.saving.serialize_keras_object(
-                self.inner_model
-            ),
-            "accumulation_steps": self.accumulation_steps,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        config["inner_model"] = keras.saving.deserialize_keras_object(
-            config["inner_model"], custom_objects=custom_objects
-        )
-        return cls(**config)
-
-
-def with_gradient_accumulation(
-    model: keras.Model, accumulation_steps: int | None = None
-) -> AccumulatingModel:
-    """Returns `model` as an `AccumulatingModel` that shares its weights.
-
-    A functional model becomes a functional `AccumulatingModel` over the
-    same layers; a `Sequential` or subclassed model (built or not) is
-    wrapped. Training either trains `model`'s own variables. If `model` is
-    compiled, the result is compiled the same way with the same optimizer
-    instance, so its state (and `iterations`) carries on.
-
-    Args:
-        model: A `keras.Model`. An `AccumulatingModel` is returned as is.
-        accumulation_steps: int. Micro-batches per optimizer update.
-            Defaults to the value an `AccumulatingModel` has, else to 1:
-            it trains as before until the value is raised (as
-            `tfmemsafe.fit` does when it halves the batch).
-
-    Returns:
-        An `AccumulatingModel`.
-
-    Example:
-
-    ```python
-    model = keras.applications.MobileNetV2(weights=None)
-    model.compile("adam", "sparse_categorical_crossentropy")
-    model = tfmemsafe.with_gradient_accumulation(model, 8)
-    model.fit(x, y, batch_size=16)  # updates of 128 samples
-    ```
-    """
-    _checks.model(model)
-    if isinstance(model, AccumulatingModel):
-        if accumulation_steps is not None:
-            model.accumulation_steps = accumulation_steps
-        return model
-    if accumulation_steps is None:
-        accumulation_steps = 1
-    accumulation_steps = _checks.integer(
-        "accumulation_steps", accumulation_steps
-    )
-    if isinstance(model, Functional):
-        result = AccumulatingModel(
-            model.input,
-            model.output,
-            name=model.name,
-            accumulation_steps=accumulation_steps,
-        )
-    else:
-        result = _WrappedModel(
-            model, accumulation_steps=accumulation_steps, name=model.name
-        )
-    compile_config = getattr(model, "_compile_config", None)
-    if model.compiled and compile_config is not None:
-        arguments = dict(compile_config.config)
-        # The optimizer itself, already wrapped for loss scaling if needed.
-        arguments.update(optimizer=model.optimizer, auto_scale_loss=False)
-        result.compile(**arguments)
-    return result
 
 
 def _first_tensor(x):

@@ -7,7 +7,7 @@ summary and a plot), `MemorySample` (one reading) and `monitors_first`
 """
 
 from tfmemsafe.monitor._monitor import MemoryMonitor
-from tfmemsafe.monitor._monitor import MemorySample
 from tfmemsafe.monitor._monitor import monitors_first
+from tfmemsafe.monitor._record import MemorySample
 
 __all__ = ["MemoryMonitor", "MemorySample", "monitors_first"]

@@ -12,7 +12,7 @@ from tfmemsafe.monitor import _device_memory
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from tfmemsafe.monitor._monitor import MemorySample
+    from tfmemsafe.monitor._record import MemorySample
 
 # A limit more than this many times the highest reading would flatten the
 # plot to its floor, so it is named in the legend instead of drawn.

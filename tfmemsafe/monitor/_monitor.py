@@ -2,97 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import keras
-import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe import _messages
-from tfmemsafe import memory
 from tfmemsafe.monitor import _device_memory
+from tfmemsafe.monitor import _devices
 from tfmemsafe.monitor import _memory_report
 from tfmemsafe.monitor import _sample_writers
+from tfmemsafe.monitor._record import MemorySample
+from tfmemsafe.monitor._record import Record
 
 _MB = 1024 * 1024
-_PHASES = ("train", "evaluate", "predict")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MemorySample:
-    """One reading of one device's memory, taken after a batch.
-
-    Attributes:
-        epoch: The epoch (from 0), or `None` in `evaluate()` or `predict()`
-            called outside `fit()`.
-        batch: The batch index Keras gave the hook, within the epoch (or the
-            evaluation or prediction run).
-        step: How many batches of this phase came before this one since
-            `fit()` started: the x axis of `plot()` and of TensorBoard.
-        phase: `"train"`, `"evaluate"` (validation inside `fit()`, or
-            `model.evaluate()`) or `"predict"`.
-        device: The device name, e.g. `"GPU:0"`.
-        current_mb: Megabytes in use after the batch.
-        peak_mb: The most megabytes in use since the epoch (or run) began.
-        limit_mb: The device's limit in megabytes, or `None` if unknown.
-        source: `"allocator"` (TensorFlow's allocator statistics) or
-            `"process_rss"` (the process's resident memory, used for a CPU
-            without allocator statistics; its peak is the highest reading).
-    """
-
-    epoch: int | None
-    batch: int
-    step: int
-    phase: str
-    device: str
-    current_mb: float
-    peak_mb: float
-    limit_mb: float | None
-    source: str
-
-
-@dataclasses.dataclass
-class _Record:
-    """What a `MemoryMonitor` records in one run; new in `on_train_begin`."""
-
-    # Every reading, in order.
-    samples: list[MemorySample] = dataclasses.field(default_factory=list)
-    # The peak in MB per device, per epoch of fit() ...
-    epoch_peaks: dict[int, dict[str, float]] = dataclasses.field(
-        default_factory=dict
-    )
-    # ... and per evaluate() or predict() run outside it.
-    run_peaks: dict[str, dict[str, float]] = dataclasses.field(
-        default_factory=dict
-    )
-    # Batches of each phase since the run began: the samples' `step`.
-    steps: dict[str, int] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(_PHASES, 0)
-    )
-    # Batches of each phase since the epoch (or run) began.
-    calls: dict[str, int] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(_PHASES, 0)
-    )
-    epoch: int | None = None
-    in_fit: bool = False
-    # Whether fit(), evaluate() or predict() has run with the monitor.
-    started: bool = False
-    # Whether this epoch (or run) has warned already.
-    warned: bool = False
-
-    def where(self, phase: str, batch: int | None) -> str:
-        """Says where the run is, e.g. "in epoch 2 (batch 5)"."""
-        if not self.in_fit:
-            where = f"in {phase}()"
-        elif phase == "train":
-            where = f"in epoch {self.epoch}"
-        else:
-            where = f"in the validation of epoch {self.epoch}"
-        if batch is not None:
-            where += f" (batch {batch})"
-        return where
 
 
 class MemoryMonitor(keras.callbacks.Callback):
@@ -167,7 +91,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         verbose: int = 1,
     ):
         super().__init__()
-        self.devices = _check_devices(devices)
+        self.devices = _devices.check_devices(devices)
         self.every_n_batches = _checks.integer(
             "every_n_batches", every_n_batches, 1
         )
@@ -194,7 +118,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         # The open CSV and TensorBoard writers, while a run is going on.
         self._writers: list[_sample_writers.SampleWriter] = []
         # Empty until the first run, for summary() and plot().
-        self._record = _Record()
+        self._record = Record()
 
     @property
     def samples(self) -> list[MemorySample]:
@@ -206,7 +130,7 @@ class MemoryMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._close_writers()  # Left open if the last fit() raised.
         self._discover()  # Before the record: it may refuse the devices.
-        self._record = _Record(in_fit=True, started=True)
+        self._record = Record(in_fit=True, started=True)
         self._open_writers(append=False)
 
     def on_train_end(self, logs=None):
@@ -342,9 +266,9 @@ class MemoryMonitor(keras.callbacks.Callback):
     def _discover(self):
         """Decides how to read the devices, refusing ones that don't exist."""
         if self.devices is None:
-            self._memory.discover(_default_devices(self.model))
+            self._memory.discover(_devices.model_devices(self.model))
         else:
-            self._memory.discover(_existing(self.devices))
+            self._memory.discover(_devices.existing(self.devices))
 
     def _on_run_begin(self, phase):
         self._record.calls[phase] = 0
@@ -366,20 +290,11 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._close_writers()
 
     def _check_limit(self, device, peak, phase, batch):
-        record = self._record
         limit = self._memory.limits.get(device)
-        if (
-            record.warned
-            or self.warn_at is None
-            or not limit
-            or peak < self.warn_at * limit
-        ):
-            return
-        record.warned = True
-        if not self.verbose:
-            return
-        where = record.where(phase, batch)
-        _warn_near_limit(device, peak, limit, self.warn_at, where)
+        near = self._record.first_near_limit(peak, limit, self.warn_at)
+        if near and self.verbose:
+            where = self._record.where(phase, batch)
+            _warn_near_limit(device, peak, limit, self.warn_at, where)
 
     # Writing the samples as they come.
 
@@ -416,58 +331,6 @@ def monitors_first(callbacks) -> list:
     callbacks = list(callbacks)
     monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
     return monitors + [c for c in callbacks if not isinstance(c, MemoryMonitor)]
-
-
-def _check_devices(devices) -> list[str] | None:
-    if devices is None:
-        return None
-    if isinstance(
-        devices, (str, tf.config.LogicalDevice, tf.config.PhysicalDevice)
-    ):
-        devices = [devices]
-    try:
-        names = [memory.device_name(device) for device in devices]
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            "`devices` must be None, a device name such as 'GPU:0', or a "
-            f"list of them. Received: devices={devices!r}"
-        ) from err
-    if not names:
-        raise ValueError(
-            "`devices` must name at least one device, or be None for the "
-            f"default ones. Received: devices={devices!r}"
-        )
-    return list(dict.fromkeys(names))
-
-
-def _existing(devices: list[str]) -> list[str]:
-    """`devices`, if this process has them all; else a Keras-style error."""
-    present = [
-        memory.device_name(device)
-        for device in tf.config.list_logical_devices()
-    ]
-    missing = [device for device in devices if device not in present]
-    if missing:
-        raise ValueError(
-            "`devices` must name devices that this process has; "
-            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-            f"not among them ({', '.join(present)}). "
-            f"Received: devices={devices!r}"
-        )
-    return devices
-
-
-def _default_devices(model) -> list[str]:
-    """The model's `tf.distribute` replica devices, else the defaults."""
-    strategy = getattr(model, "distribute_strategy", None)
-    if (
-        strategy is not None
-        and not tf.distribute.has_strategy()
-        and strategy is not tf.distribute.get_strategy()
-    ):
-        with strategy.scope():
-            return memory.default_devices()
-    return memory.default_devices()
 
 
 def _log_values(readings: dict[str, tuple[int, int]]) -> dict[str, float]:

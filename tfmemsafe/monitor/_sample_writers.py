@@ -15,7 +15,7 @@ from tensorflow.core.framework import summary_pb2
 from tensorflow.core.framework import tensor_pb2
 
 if TYPE_CHECKING:
-    from tfmemsafe.monitor._monitor import MemorySample
+    from tfmemsafe.monitor._record import MemorySample
 
 # The CSV columns: the fields of a `MemorySample`, in order.
 CSV_FIELDS = (

@@ -7,15 +7,15 @@ inference even when `fit` says otherwise), `unfreeze` and its
 the backbone's features computed once).
 """
 
-from tfmemsafe.transfer._backbones import ALPHAS
 from tfmemsafe.transfer._backbones import FEATURES_LAYER
-from tfmemsafe.transfer._backbones import IMAGENET_SIZES
 from tfmemsafe.transfer._backbones import InferenceMode
-from tfmemsafe.transfer._backbones import UnfreezeSummary
 from tfmemsafe.transfer._backbones import build_frozen_mobilenet_v2
-from tfmemsafe.transfer._backbones import unfreeze
 from tfmemsafe.transfer._feature_cache import cache_features
 from tfmemsafe.transfer._feature_cache import fit_head
+from tfmemsafe.transfer._imagenet_weights import ALPHAS
+from tfmemsafe.transfer._imagenet_weights import IMAGENET_SIZES
+from tfmemsafe.transfer._unfreeze import UnfreezeSummary
+from tfmemsafe.transfer._unfreeze import unfreeze
 
 __all__ = [
     "ALPHAS",

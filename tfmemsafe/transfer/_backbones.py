@@ -1,37 +1,28 @@
-"""Transfer learning on a frozen MobileNetV2: build, then fine-tune.
+"""A frozen MobileNetV2 classifier that preprocesses its own input.
 
 A frozen backbone needs no gradients and no stored activations for the
 backward pass, so it trains in a fraction of the memory of full
-fine-tuning. `build_frozen_mobilenet_v2` builds such a classifier and
-`unfreeze` makes the top of its backbone trainable for fine-tuning.
-Because a frozen backbone computes the same features every epoch, they
-can also be computed once and the head trained on them alone: see
-`tfmemsafe.feature_cache`.
+fine-tuning. `build_frozen_mobilenet_v2` builds such a classifier, with
+the backbone inside `InferenceMode`; `unfreeze` (in `_unfreeze.py`) makes
+the top of its backbone trainable for fine-tuning. Because a frozen
+backbone computes the same features every epoch, they can also be
+computed once and the head trained on them alone: see `cache_features`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 
 import keras
-import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.transfer import _imagenet_weights
+from tfmemsafe.transfer._imagenet_weights import ALPHAS
+from tfmemsafe.transfer._imagenet_weights import IMAGENET_SIZES
 
-# Where Keras downloads MobileNetV2 weights from, and the sizes they exist for.
-_WEIGHTS_URL = (
-    "https://storage.googleapis.com/tensorflow/keras-applications/mobilenet_v2/"
-)
-_WEIGHTS_FILE = (
-    "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_{}_{}_no_top.h5"
-)
-IMAGENET_SIZES = (96, 128, 160, 192, 224)
-ALPHAS = (0.35, 0.5, 0.75, 1.0, 1.3, 1.4)
 _MIN_SIZE = 32
 
 # The pooled backbone output: where the frozen part ends and the head starts.
@@ -165,11 +156,11 @@ def build_frozen_mobilenet_v2(
     _checks.fraction("dropout", dropout, what="a float")
     _checks.integer("accumulation_steps", accumulation_steps)
     augmentation = _check_augmentation(augmentation)
-    weights = _check_weights(weights)
+    weights = _imagenet_weights.check_weights(weights)
 
     side = (resize_to, resize_to) if resize_to else (height, width)
     if weights == "imagenet":
-        weights = _imagenet_weights_path(alpha, side)
+        weights = _imagenet_weights.download(alpha, side)
     backbone = keras.applications.MobileNetV2(
         input_shape=(*side, 3),
         alpha=alpha,
@@ -203,116 +194,6 @@ def build_frozen_mobilenet_v2(
         accumulation_steps=accumulation_steps,
         name="frozen_mobilenet_v2",
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class UnfreezeSummary:
-    """What `unfreeze` made trainable.
-
-    Attributes:
-        backbone: The backbone's name.
-        layers: The names of the backbone layers that are now trainable.
-        frozen_batchnorm: BatchNormalization layers in the unfrozen range
-            that were kept frozen.
-        trainable_params: The number of backbone parameters now trainable.
-    """
-
-    backbone: str
-    layers: tuple[str, ...]
-    frozen_batchnorm: tuple[str, ...]
-    trainable_params: int
-
-    def __str__(self) -> str:
-        return (
-            f"Unfroze {len(self.layers)} layers of {self.backbone!r} "
-            f"({self.trainable_params:,} parameters now trainable; "
-            f"{len(self.frozen_batchnorm)} BatchNormalization layers kept "
-            "frozen). Recompile the model, with a lower learning rate, "
-            "before calling fit."
-        )
-
-
-def unfreeze(
-    model: keras.Model,
-    *,
-    last_n_layers: int | None = None,
-    from_layer: str | None = None,
-    keep_batchnorm_frozen: bool = True,
-) -> UnfreezeSummary:
-    """Makes the top of a frozen backbone trainable, for fine-tuning.
-
-    The second phase of transfer learning: once the head has been trained
-    on the frozen backbone, unfreeze the backbone's last layers and train
-    on with a learning rate about 10x lower, so the pretrained filters
-    adapt without being wiped out by large gradients.
-
-    The call sets the whole trainable state of the backbone: the layers in
-    the range become trainable and all others frozen, so calling it again
-    with a smaller range freezes layers again. Layers are counted as in
-    `backbone.layers` (activations and additions included), as in the
-    Keras fine-tuning guide. BatchNormalization layers are kept frozen by
-    default: their statistics suit the pretrained filters, and a model
-    from `build_frozen_mobilenet_v2` runs them in inference mode anyway.
-
-    Give at most one of `last_n_layers` and `from_layer`; with neither,
-    the whole backbone is unfrozen.
-
-    You must compile the model again after this call (Keras fixes the
-    trainable weights at `compile`), with a lower learning rate:
-    `model.compile(optimizer=keras.optimizers.Adam(1e-5), ...)`.
-
-    Args:
-        model: A model from `build_frozen_mobilenet_v2`, or any model with
-            one nested model that has weights (its backbone, possibly in a
-            wrapper such as `InferenceMode`); a model with no nested model
-            is treated as the backbone itself.
-        last_n_layers: int. Unfreeze the backbone's last this many layers.
-        from_layer: str. Unfreeze from the backbone layer of this name
-            (inclusive) to the end, e.g. `"block_13_expand"`.
-        keep_batchnorm_frozen: bool. Keep BatchNormalization layers frozen.
-            Defaults to `True`.
-
-    Returns:
-        An `UnfreezeSummary` naming the layers now trainable and the
-        number of backbone parameters that are. It is also logged.
-
-    Raises:
-        ValueError: If both `last_n_layers` and `from_layer` are given,
-            `last_n_layers` is out of range, `from_layer` names no backbone
-            layer, or the backbone cannot be told apart.
-
-    Example:
-    >>> summary = tfmemsafe.unfreeze(model, last_n_layers=30)
-    >>> model.compile(optimizer=keras.optimizers.Adam(1e-5),
-    ...               loss="sparse_categorical_crossentropy")
-    """
-    backbone = _find_backbone(model)
-    layers = [
-        layer
-        for layer in backbone.layers
-        if not isinstance(layer, keras.layers.InputLayer)
-    ]
-    start = _unfreeze_start(layers, backbone.name, last_n_layers, from_layer)
-    backbone.trainable = True
-    unfrozen, frozen_batchnorm = [], []
-    for i, layer in enumerate(layers):
-        is_batchnorm = isinstance(layer, keras.layers.BatchNormalization)
-        if i >= start and is_batchnorm and keep_batchnorm_frozen:
-            frozen_batchnorm.append(layer.name)
-        layer.trainable = i >= start and layer.name not in frozen_batchnorm
-        if layer.trainable:
-            unfrozen.append(layer.name)
-    trainable_params = sum(
-        int(np.prod(w.shape)) for w in backbone.trainable_weights
-    )
-    summary = UnfreezeSummary(
-        backbone=backbone.name,
-        layers=tuple(unfrozen),
-        frozen_batchnorm=tuple(frozen_batchnorm),
-        trainable_params=trainable_params,
-    )
-    logging.info("%s", summary)
-    return summary
 
 
 def _check_input_shape(input_shape, resize_to) -> tuple[int, int]:
@@ -378,96 +259,3 @@ def _check_augmentation(augmentation) -> tuple[keras.layers.Layer, ...]:
             f"Received: augmentation={augmentation!r}"
         )
     return tuple(layers)
-
-
-def _check_weights(weights):
-    if weights is None or weights == "imagenet":
-        return weights
-    if isinstance(weights, (str, os.PathLike)):
-        path = os.fspath(weights)
-        if tf.io.gfile.exists(path):
-            return path
-    raise ValueError(
-        "`weights` must be 'imagenet', None or the path of an existing "
-        f"weights file. Received: weights={weights!r}"
-    )
-
-
-def _imagenet_weights_path(alpha: float, side: tuple[int, int]) -> str:
-    """Returns the local path of the ImageNet weights, downloading them."""
-    height, width = side
-    size = height if height == width and height in IMAGENET_SIZES else 224
-    if size != height or size != width:
-        logging.warning(
-            "ImageNet weights for MobileNetV2 exist for square images of "
-            "%s pixels; using the %d px weights for %dx%d inputs, whose "
-            "features will be weaker. Pass `resize_to=%d` for a native size.",
-            ", ".join(map(str, IMAGENET_SIZES)),
-            size,
-            height,
-            width,
-            IMAGENET_SIZES[0],
-        )
-    filename = _WEIGHTS_FILE.format(float(alpha), size)
-    url = _WEIGHTS_URL + filename
-    try:
-        return keras.utils.get_file(filename, url, cache_subdir="models")
-    # `get_file` raises a bare `Exception` for network failures.
-    except Exception as err:
-        raise RuntimeError(
-            f"Could not download the ImageNet weights for MobileNetV2 "
-            f"(alpha={alpha}, {size} px) from {url}: {err}. Without "
-            "internet access, either pass `weights=None` to train from "
-            "random weights, or download that file on another machine and "
-            "pass its path, `weights='/path/to/" + filename + "'` (or copy "
-            "it to ~/.keras/models/, where Keras looks first)."
-        ) from err
-
-
-def _find_backbone(model: keras.Model) -> keras.Model:
-    unwrapped = [
-        layer.layer if isinstance(layer, keras.layers.Wrapper) else layer
-        for layer in model.layers
-    ]
-    nested = [
-        layer
-        for layer in unwrapped
-        if isinstance(layer, keras.Model) and layer.weights
-    ]
-    if not nested:
-        return model
-    if len(nested) > 1:
-        raise ValueError(
-            "`model` must have one nested model (its backbone) to unfreeze. "
-            f"Received: a model with {len(nested)}: "
-            f"{', '.join(repr(layer.name) for layer in nested)}. Call "
-            "`unfreeze` on the backbone itself."
-        )
-    return nested[0]
-
-
-def _unfreeze_start(layers, backbone_name, last_n_layers, from_layer) -> int:
-    if last_n_layers is not None and from_layer is not None:
-        raise ValueError(
-            "Give at most one of `last_n_layers` and `from_layer`. "
-            f"Received: last_n_layers={last_n_layers!r}, "
-            f"from_layer={from_layer!r}"
-        )
-    if last_n_layers is not None:
-        if not _checks.is_integer(last_n_layers) or last_n_layers > len(layers):
-            raise ValueError(
-                "`last_n_layers` must be an integer from 1 to the "
-                f"backbone's {len(layers)} layers. "
-                f"Received: last_n_layers={last_n_layers!r}"
-            )
-        return len(layers) - last_n_layers
-    if from_layer is not None:
-        names = [layer.name for layer in layers]
-        if from_layer not in names:
-            raise ValueError(
-                f"`from_layer` must name a layer of the backbone "
-                f"{backbone_name!r}, such as {names[-min(10, len(names))]!r}. "
-                f"Received: from_layer={from_layer!r}"
-            )
-        return names.index(from_layer)
-    return 0

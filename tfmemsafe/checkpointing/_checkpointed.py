@@ -1,16 +1,14 @@
-"""Gradient checkpointing for Keras 3 layers on TensorFlow.
+"""`Checkpointed`: a layer whose activations are recomputed, not stored.
 
-`Checkpointed(layer)` keeps only the inputs of `layer` during the forward
-pass and recomputes its activations in the backward pass, trading compute
-for memory. `checkpoint_blocks(blocks)` applies it to a chain of blocks in
-about sqrt(n) segments.
+The wrapper runs its layer under a custom gradient (`_recompute.py`)
+that recomputes it in the backward pass, from the same weights and with
+the same `keras.random` seeds, and refuses layers whose TensorFlow
+random ops could not be replayed (`_random_ops.py`).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Sequence
 
 import keras
 import tensorflow as tf
@@ -26,38 +24,9 @@ from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state as keras_global_state
 from keras.src.random.seed_generator import global_seed_generator
 
-# Pauses every active gradient tape, as `tf.recompute_grad` does.
-from tensorflow.python.eager import record as tape_record
-
 from tfmemsafe import _checks
-
-# TensorFlow ops whose random numbers come from hidden state. A block that
-# uses them gives different numbers when it is recomputed, so its gradient
-# would not match its forward pass.
-_STATEFUL_RANDOM_OPS = frozenset(
-    [
-        "Multinomial",
-        "ParameterizedTruncatedNormal",
-        "RandomCrop",
-        "RandomGamma",
-        "RandomPoisson",
-        "RandomPoissonV2",
-        "RandomShuffle",
-        "RandomStandardNormal",
-        "RandomUniform",
-        "RandomUniformInt",
-        "RngReadAndSkip",
-        "RngSkip",
-        "StatefulRandomBinomial",
-        "StatefulStandardNormal",
-        "StatefulStandardNormalV2",
-        "StatefulTruncatedNormal",
-        "StatefulUniform",
-        "StatefulUniformFullInt",
-        "StatefulUniformInt",
-        "TruncatedNormal",
-    ]
-)
+from tfmemsafe.checkpointing import _random_ops
+from tfmemsafe.checkpointing import _recompute
 
 
 @keras.saving.register_keras_serializable(package="tfmemsafe")
@@ -244,7 +213,7 @@ class Checkpointed(keras.layers.Wrapper):
                 forward_outputs.append(outputs)
             return keras.tree.flatten(outputs) + list(scope.losses)
 
-        results = _checkpoint(
+        results = _recompute.checkpoint(
             run,
             [flat_inputs[i] for i in float_positions] + weight_values,
             self.recompute,
@@ -278,7 +247,7 @@ class Checkpointed(keras.layers.Wrapper):
         self._check_randomness(graph, graph.get_operations())
 
     def _check_randomness(self, graph, operations):
-        found = sorted(_stateful_random_op_types(graph, operations))
+        found = sorted(_random_ops.stateful_random_op_types(graph, operations))
         self._random_ops_checked = True
         if found:
             raise ValueError(
@@ -293,204 +262,5 @@ class Checkpointed(keras.layers.Wrapper):
             )
 
 
-def checkpoint_blocks(
-    blocks: Sequence[keras.layers.Layer],
-    segments: int | None = None,
-    checkpoint_last: bool = False,
-) -> list[Checkpointed]:
-    """Groups a chain of blocks into segments and checkpoints the segments.
-
-    The sqrt(n) scheme of Chen et al. (2016), "Training Deep Nets with
-    Sublinear Memory Cost": of `n` chained blocks, only the inputs of
-    about sqrt(n) segments are kept through the forward pass, and each
-    segment is recomputed in the backward pass, so activation memory grows
-    like sqrt(n) instead of n.
-
-    The last segment is not recomputed by default: the backward pass
-    starts with it, so recomputing it would rebuild at once the
-    activations it had just freed, costing time and saving nothing. It is
-    wrapped in `Checkpointed(..., recompute=False)`, which keeps its
-    activations but frees them, with all its gradients, before the
-    recomputation of the other segments begins. Set `checkpoint_last=True`
-    when large layers follow the blocks (a wide classifier head) and the
-    last segment's activations should not wait through them.
-
-    Each block must take one tensor and return one tensor, as in a
-    `keras.Sequential`. Apply the returned layers in order:
-    `for layer in checkpoint_blocks(blocks): x = layer(x)`, or
-    `keras.Sequential(checkpoint_blocks(blocks))`.
-
-    Args:
-        blocks: Sequence of `keras.layers.Layer`. The blocks, in the order
-            they are applied.
-        segments: int. The number of segments, between 1 and
-            `len(blocks)`; segment lengths differ by at most one, longer
-            segments first. Defaults to `round(sqrt(len(blocks)))`.
-        checkpoint_last: bool. Whether to recompute the last segment too.
-            Defaults to `False`.
-
-    Returns:
-        A list of `segments` `Checkpointed` layers to apply in order, each
-        wrapping a segment (a `keras.Sequential` when it has several
-        blocks); the last has `recompute=False` unless `checkpoint_last`.
-
-    Raises:
-        ValueError: If `blocks` is empty or holds something other than
-            layers, if `segments` is out of range, or if `checkpoint_last`
-            is not a bool.
-
-    Example:
-    >>> blocks = [keras.layers.Dense(64, activation="relu") for _ in range(9)]
-    >>> layers = checkpoint_blocks(blocks)  # 3 segments of 3 blocks
-    >>> [layer.recompute for layer in layers]
-    [True, True, False]
-    >>> model = keras.Sequential([keras.Input((64,)), *layers])
-    """
-    blocks = list(blocks)
-    if not blocks or not all(isinstance(b, keras.layers.Layer) for b in blocks):
-        raise ValueError(
-            "`blocks` must be a non-empty sequence of `keras.layers.Layer`. "
-            f"Received: blocks={blocks!r}"
-        )
-    if segments is None:
-        segments = max(1, round(math.sqrt(len(blocks))))
-    if (
-        isinstance(segments, bool)
-        or not isinstance(segments, int)
-        or not 1 <= segments <= len(blocks)
-    ):
-        raise ValueError(
-            "`segments` must be an integer between 1 and len(blocks)="
-            f"{len(blocks)}. Received: segments={segments!r}"
-        )
-    if not isinstance(checkpoint_last, bool):
-        raise ValueError(
-            "`checkpoint_last` must be True or False. "
-            f"Received: checkpoint_last={checkpoint_last!r}"
-        )
-    groups = []
-    start = 0
-    for index in range(segments):
-        size = len(blocks) // segments + (index < len(blocks) % segments)
-        groups.append(blocks[start : start + size])
-        start += size
-    return [
-        Checkpointed(
-            group[0] if len(group) == 1 else keras.Sequential(group),
-            recompute=checkpoint_last or index < segments - 1,
-        )
-        for index, group in enumerate(groups)
-    ]
-
-
-def _checkpoint(function, args, recompute):
-    """Calls `function(*args)` under a custom gradient.
-
-    With `recompute`, the forward pass records nothing and the backward
-    pass runs `function` again, as `tf.recompute_grad` does, but without
-    keyword arguments (which graph-mode custom gradients reject). Without
-    it, the activations are recorded and kept as usual.
-
-    Either way all gradients of the call are released together. TensorFlow
-    otherwise runs the gradient of a block's input early (it leads to the
-    next block) and its weight gradients late, keeping the block's
-    activations alive through the recomputation of the blocks before it;
-    the saving would then depend on the order the graph happens to run in.
-    """
-
-    @tf.custom_gradient
-    def forward(*inputs):
-        if recompute:
-            with tape_record.stop_recording():
-                results = function(*inputs)
-        else:
-            recording = tf.GradientTape(persistent=True)
-            with recording:
-                recording.watch(inputs)
-                results = function(*inputs)
-
-        def backward(*output_gradients, variables=None):
-            variables = list(variables or [])
-            sources = list(inputs)
-            if recompute:
-                if not tf.executing_eagerly():
-                    sources = _after(output_gradients[0], sources)
-                with tf.GradientTape() as tape:
-                    tape.watch(sources)
-                    tape.watch(variables)
-                    targets = function(*sources)
-            else:
-                tape, targets = recording, results
-            gradients = tape.gradient(
-                targets,
-                sources + variables,
-                output_gradients=list(output_gradients),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            with tf.control_dependencies(gradients):
-                gradients = [tf.identity(g) for g in gradients]
-            if variables:
-                return gradients[: len(sources)], gradients[len(sources) :]
-            return gradients
-
-        return results, backward
-
-    return forward(*args)
-
-
-def _after(tensor, inputs):
-    """`inputs`, made to depend on `tensor` through data, not control.
-
-    XLA ignores control dependencies, and graph optimizations could merge
-    a recomputation that does not depend on the output gradient with the
-    forward pass. The same device as `tf.recompute_grad` uses.
-    """
-    first = tf.reshape(tensor, [-1])[:1]
-    flag = tf.cast(tf.reduce_max(first), tf.bool)
-    zero = tf.where(tf.equal(flag, flag), 0.0, float("nan"))
-    return [x + tf.cast(zero, x.dtype) for x in inputs]
-
-
 def _is_float_tensor(x) -> bool:
     return tf.is_tensor(x) and x.dtype.is_floating
-
-
-def _stateful_random_op_types(graph, operations) -> set[str]:
-    """The stateful random op types among `operations` and their functions."""
-    found = set()
-    library = None
-    for op in operations:
-        if op.type in _STATEFUL_RANDOM_OPS:
-            found.add(op.type)
-        function_names = _called_functions(op.node_def)
-        if function_names:
-            if library is None:
-                library = {
-                    f.signature.name: f
-                    for f in graph.as_graph_def().library.function
-                }
-            found |= _stateful_random_ops_in_functions(function_names, library)
-    return found
-
-
-def _stateful_random_ops_in_functions(names, library) -> set[str]:
-    found, seen, pending = set(), set(), list(names)
-    while pending:
-        name = pending.pop()
-        if name in seen or name not in library:
-            continue
-        seen.add(name)
-        for node in library[name].node_def:
-            if node.op in _STATEFUL_RANDOM_OPS:
-                found.add(node.op)
-            pending.extend(_called_functions(node))
-    return found
-
-
-def _called_functions(node_def) -> list[str]:
-    names = []
-    for value in node_def.attr.values():
-        if value.HasField("func"):
-            names.append(value.func.name)
-        names.extend(f.name for f in value.list.func)
-    return names

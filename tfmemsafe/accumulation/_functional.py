@@ -1,0 +1,74 @@
+"""Building an `AccumulatingModel` functionally, as `Model(inputs, outputs)`.
+
+`keras.Model.__new__` makes a model built from inputs and outputs a
+`Functional` one by mixing that class in. A subclass of `keras.Model`
+must do the same itself, and tell the calls that build functionally from
+those of a subclass with arguments of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import keras
+
+# Keras 3.15 has no public equivalent of these:
+# - `Functional`, the class of functional models: `keras.Model(inputs,
+#   outputs)` returns one, but the class itself is not exported, and a
+#   subclass built functionally must mix it in (as `keras.Model.__new__`
+#   does) and be told apart from one that is not.
+# - `object_registration.GLOBAL_CUSTOM_NAMES`: the public
+#   `keras.saving.register_keras_serializable` also maps the name back to
+#   the class, which would make loading build the functional variant
+#   instead of the registered class; only the class-to-name half is wanted.
+from keras.src.models.functional import Functional
+from keras.src.saving import object_registration
+
+
+def _functional_arguments(args, kwargs) -> bool:
+    """Whether a model is being built as `Model(inputs, outputs)`."""
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def builds_functionally(cls, args, kwargs) -> bool:
+    """Whether `cls(*args, **kwargs)` builds a functional model.
+
+    Only a class that takes a functional model's arguments does: one with
+    no `__init__` of its own, or one that passes `*args, **kwargs` on (the
+    test Keras' `Model.from_config` makes). A subclass with arguments of
+    its own is built by its `__init__`, as with `keras.Model`:
+    `GAN(generator, discriminator)` is not `Model(inputs, outputs)`.
+    """
+    if issubclass(cls, Functional) or not _functional_arguments(args, kwargs):
+        return False
+    # `AccumulatingModel.__init__` itself takes `*args, **kwargs`.
+    spec = inspect.getfullargspec(cls.__init__)
+    return spec.varargs is not None and spec.varkw is not None
+
+
+@functools.cache
+def functional_variant(cls):
+    """`cls` with `Functional` mixed in, for `cls(inputs, outputs)`.
+
+    Keras would instead rewrite `cls.__bases__` in place, which breaks
+    every later subclass of `cls` that is not built functionally.
+    """
+    variant = type(
+        cls.__name__,
+        (cls, Functional),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        },
+    )
+    # Saved under the name of `cls`, so loading rebuilds it through `cls`.
+    object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
+        keras.saving.get_registered_name(cls)
+    )
+    return variant

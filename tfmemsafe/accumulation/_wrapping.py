@@ -1,0 +1,108 @@
+"""`with_gradient_accumulation`: an existing model as an `AccumulatingModel`.
+
+A functional model becomes a functional `AccumulatingModel` over the same
+layers; any other model is wrapped in one (`_WrappedModel`) that calls it
+and shares its weights.
+"""
+
+from __future__ import annotations
+
+import keras
+
+# `Functional`, the class of functional models, is not exported by Keras
+# 3.15 (see `_functional.py`).
+from keras.src.models.functional import Functional
+
+from tfmemsafe import _checks
+from tfmemsafe.accumulation._model import AccumulatingModel
+
+
+@keras.saving.register_keras_serializable(package="tfmemsafe")
+class _WrappedModel(AccumulatingModel):
+    """An `AccumulatingModel` that calls another model (sharing weights)."""
+
+    def __init__(self, inner_model, accumulation_steps=1, **kwargs):
+        super().__init__(accumulation_steps=accumulation_steps, **kwargs)
+        self.inner_model = inner_model
+        if inner_model.built:
+            self.built = True
+
+    def call(self, inputs, training=None):
+        return self.inner_model(inputs, training=training)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_model": keras.saving.serialize_keras_object(
+                self.inner_model
+            ),
+            "accumulation_steps": self.accumulation_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["inner_model"] = keras.saving.deserialize_keras_object(
+            config["inner_model"], custom_objects=custom_objects
+        )
+        return cls(**config)
+
+
+def with_gradient_accumulation(
+    model: keras.Model, accumulation_steps: int | None = None
+) -> AccumulatingModel:
+    """Returns `model` as an `AccumulatingModel` that shares its weights.
+
+    A functional model becomes a functional `AccumulatingModel` over the
+    same layers; a `Sequential` or subclassed model (built or not) is
+    wrapped. Training either trains `model`'s own variables. If `model` is
+    compiled, the result is compiled the same way with the same optimizer
+    instance, so its state (and `iterations`) carries on.
+
+    Args:
+        model: A `keras.Model`. An `AccumulatingModel` is returned as is.
+        accumulation_steps: int. Micro-batches per optimizer update.
+            Defaults to the value an `AccumulatingModel` has, else to 1:
+            it trains as before until the value is raised (as
+            `tfmemsafe.fit` does when it halves the batch).
+
+    Returns:
+        An `AccumulatingModel`.
+
+    Example:
+
+    ```python
+    model = keras.applications.MobileNetV2(weights=None)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model = tfmemsafe.with_gradient_accumulation(model, 8)
+    model.fit(x, y, batch_size=16)  # updates of 128 samples
+    ```
+    """
+    _checks.model(model)
+    if isinstance(model, AccumulatingModel):
+        if accumulation_steps is not None:
+            model.accumulation_steps = accumulation_steps
+        return model
+    if accumulation_steps is None:
+        accumulation_steps = 1
+    accumulation_steps = _checks.integer(
+        "accumulation_steps", accumulation_steps
+    )
+    if isinstance(model, Functional):
+        result = AccumulatingModel(
+            model.input,
+            model.output,
+            name=model.name,
+            accumulation_steps=accumulation_steps,
+        )
+    else:
+        result = _WrappedModel(
+            model, accumulation_steps=accumulation_steps, name=model.name
+        )
+    compile_config = getattr(model, "_compile_config", None)
+    if model.compiled and compile_config is not None:
+        arguments = dict(compile_config.config)
+        # The optimizer itself, already wrapped for loss scaling if needed.
+        arguments.update(optimizer=model.optimizer, auto_scale_loss=False)
+        result.compile(**arguments)
+    return result
