@@ -6,8 +6,8 @@ Two networks, each with its own Adam optimizer (wrapped in a
 `tfmemsafe.fit`: when a batch does not fit in memory, the batch shrinks
 (by half, or to the largest halving predicted to fit), both accumulators
 accumulate as many more micro-batches, so each update still averages as
-many samples, and training goes on at the failed step. After every epoch a grid of
-samples from a fixed set of latent vectors is written as a PNG.
+many samples, and training goes on at the failed step. After every epoch
+a grid of samples from a fixed set of latent vectors is written as a PNG.
 
     python examples/cifar10_dcgan.py --dataset=digits --epochs=20
 

@@ -17,17 +17,10 @@ import keras
 import tensorflow as tf
 
 from tfmemsafe import _checks
+from tfmemsafe import _pipelines
 
 # Keras' default batch size, used for arrays and unbatched datasets.
 DEFAULT_BATCH_SIZE = 32
-# `tf.data` transformations that batch or unbatch their input, by class.
-_BATCHING = (
-    "_BatchDataset",
-    "_PaddedBatchDataset",
-    "_ParallelBatchDataset",
-    "_RebatchDataset",
-)
-_UNBATCHING = ("_UnbatchDataset",)
 
 
 def source_for(data, argument: str, *, labelled: bool) -> Source:
@@ -43,7 +36,7 @@ def source_for(data, argument: str, *, labelled: bool) -> Source:
         TypeError: If `data` is of no accepted kind.
     """
     if isinstance(data, tf.data.Dataset):
-        batched, batch_size = _batching_of(data)
+        batched, batch_size = _pipelines.batching_of(data)
         if batched:
             return BatchedDataset(data, argument, batch_size)
         return UnbatchedDataset(data, argument)
@@ -113,7 +106,7 @@ class Source:
         A dataset does unless it reshuffles at each iteration, or lets
         `tf.data` trade order for speed.
         """
-        return _is_deterministic(self.data)
+        return _pipelines.is_deterministic(self.data)
 
     def keras_arguments(
         self, batch_size: int, skip: int = 0, order=None
@@ -291,7 +284,7 @@ class BatchedDataset(Source):
             return self.data  # The user's pipeline, as it is.
         dataset = self.data.repeat() if repeat else self.data
         dataset = dataset.rebatch(batch_size)
-        rows = None if repeat else _rows_of_batched(self.data)
+        rows = None if repeat else _pipelines.rows_of_batched(self.data)
         if rows is not None:
             # `rebatch` hides the length; Keras shows it in the progress
             # bar and ends the epoch by it.
@@ -317,10 +310,10 @@ class DatasetCallable(Source):
         # A shuffle is only the same in a new pipeline if its seeds are the
         # user's, not drawn anew at each build or when it runs.
         first, second = (self.dataset(batch_size) for _ in range(2))
-        seeds = _shuffle_seeds(first)
+        seeds = _pipelines.shuffle_seeds(first)
         return (
-            _is_deterministic(first)
-            and seeds == _shuffle_seeds(second)
+            _pipelines.is_deterministic(first)
+            and seeds == _pipelines.shuffle_seeds(second)
             and (0, 0) not in seeds
         )
 
@@ -333,84 +326,6 @@ class DatasetCallable(Source):
                 f"{self.argument}({batch_size}) = {dataset!r:.80}"
             )
         return dataset.repeat() if repeat else dataset
-
-
-def _batching_of(dataset) -> tuple[bool, int | None]:
-    """Whether a dataset's pipeline batches, and the batch size if known."""
-    node = dataset
-    while node is not None:
-        name = type(node).__name__
-        if name in _BATCHING:
-            size = getattr(node, "_batch_size", None)
-            try:
-                return True, int(size) if size is not None else None
-            except TypeError:
-                return True, None
-        if name in _UNBATCHING:
-            return False, None
-        inputs = getattr(node, "_datasets", None)  # zip and similar
-        if inputs:
-            found = [_batching_of(d) for d in tf.nest.flatten(inputs)]
-            sizes = {size for _, size in found}
-            batched = all(b for b, _ in found)
-            return batched, sizes.pop() if batched and len(sizes) == 1 else None
-        node = getattr(node, "_input_dataset", None)
-    return False, None
-
-
-def _rows_of_batched(dataset) -> int | None:
-    """The samples of a batched dataset, when its pipeline tells them.
-
-    They are the length of what its `batch` batches, if that is known and
-    the batches count matches it (no `filter` after the batching, say).
-    """
-    batches = int(dataset.cardinality())
-    for node in _dataset_nodes(dataset):
-        if type(node).__name__ != "_BatchDataset":
-            continue
-        rows = int(node._input_dataset.cardinality())  # noqa: SLF001
-        size = int(node._batch_size)  # noqa: SLF001
-        drop = bool(node._drop_remainder)  # noqa: SLF001
-        if rows < 0 or drop:
-            return None
-        return rows if math.ceil(rows / size) == batches else None
-    return None
-
-
-def _is_deterministic(dataset) -> bool:
-    """Whether a dataset's order is the same at each new iteration."""
-    if dataset.options().deterministic is False:
-        return False
-    # A shuffle that reshuffles gives a new order at each iteration.
-    return not any(
-        getattr(node, "_reshuffle_each_iteration", True)
-        for node in _dataset_nodes(dataset)
-        if type(node).__name__ == "_ShuffleDataset"
-    )
-
-
-def _shuffle_seeds(dataset) -> list:
-    return [
-        (int(node._seed), int(node._seed2))  # noqa: SLF001
-        for node in _dataset_nodes(dataset)
-        if type(node).__name__ == "_ShuffleDataset"
-    ]
-
-
-def _dataset_nodes(dataset):
-    """The transformations of a pipeline, from the last to the sources."""
-    # tf.data has no public graph walk: `_input_dataset` and `_datasets`
-    # are the attributes `_batching_of` reads too.
-    pending = [dataset]
-    while pending:
-        node = pending.pop()
-        yield node
-        inputs = getattr(node, "_datasets", None)
-        if inputs:
-            pending.extend(tf.nest.flatten(inputs))
-        parent = getattr(node, "_input_dataset", None)
-        if parent is not None:
-            pending.append(parent)
 
 
 def _check_cardinality(argument: str, parts: dict) -> None:

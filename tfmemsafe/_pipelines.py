@@ -1,0 +1,102 @@
+"""What a `tf.data` pipeline's own graph says about it.
+
+tf.data has no public walk of a pipeline's transformations; these read
+the `_input_dataset` and `_datasets` attributes every transformation
+keeps, to tell whether a pipeline batches (and at what size), how many
+samples a batched one holds, and whether its order is the same at each
+iteration (a shuffle that reshuffles is not; nor a pipeline that lets
+tf.data trade order for speed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+# `tf.data` transformations that batch or unbatch their input, by class.
+_BATCHING = (
+    "_BatchDataset",
+    "_PaddedBatchDataset",
+    "_ParallelBatchDataset",
+    "_RebatchDataset",
+)
+_UNBATCHING = ("_UnbatchDataset",)
+
+
+def batching_of(dataset) -> tuple[bool, int | None]:
+    """Whether a dataset's pipeline batches, and the batch size if known."""
+    node = dataset
+    while node is not None:
+        name = type(node).__name__
+        if name in _BATCHING:
+            size = getattr(node, "_batch_size", None)
+            try:
+                return True, int(size) if size is not None else None
+            except TypeError:
+                return True, None
+        if name in _UNBATCHING:
+            return False, None
+        inputs = getattr(node, "_datasets", None)  # zip and similar
+        if inputs:
+            found = [batching_of(d) for d in tf.nest.flatten(inputs)]
+            sizes = {size for _, size in found}
+            batched = all(b for b, _ in found)
+            return batched, sizes.pop() if batched and len(sizes) == 1 else None
+        node = getattr(node, "_input_dataset", None)
+    return False, None
+
+
+def rows_of_batched(dataset) -> int | None:
+    """The samples of a batched dataset, when its pipeline tells them.
+
+    They are the length of what its `batch` batches, if that is known and
+    the batches count matches it (no `filter` after the batching, say).
+    """
+    batches = int(dataset.cardinality())
+    for node in dataset_nodes(dataset):
+        if type(node).__name__ != "_BatchDataset":
+            continue
+        rows = int(node._input_dataset.cardinality())  # noqa: SLF001
+        size = int(node._batch_size)  # noqa: SLF001
+        drop = bool(node._drop_remainder)  # noqa: SLF001
+        if rows < 0 or drop:
+            return None
+        return rows if math.ceil(rows / size) == batches else None
+    return None
+
+
+def is_deterministic(dataset) -> bool:
+    """Whether a dataset's order is the same at each new iteration."""
+    if dataset.options().deterministic is False:
+        return False
+    # A shuffle that reshuffles gives a new order at each iteration.
+    return not any(
+        getattr(node, "_reshuffle_each_iteration", True)
+        for node in dataset_nodes(dataset)
+        if type(node).__name__ == "_ShuffleDataset"
+    )
+
+
+def shuffle_seeds(dataset) -> list:
+    return [
+        (int(node._seed), int(node._seed2))  # noqa: SLF001
+        for node in dataset_nodes(dataset)
+        if type(node).__name__ == "_ShuffleDataset"
+    ]
+
+
+def dataset_nodes(dataset):
+    """The transformations of a pipeline, from the last to the sources."""
+    # tf.data has no public graph walk: `_input_dataset` and `_datasets`
+    # are the attributes `_batching_of` reads too.
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        yield node
+        inputs = getattr(node, "_datasets", None)
+        if inputs:
+            pending.extend(tf.nest.flatten(inputs))
+        parent = getattr(node, "_input_dataset", None)
+        if parent is not None:
+            pending.append(parent)
