@@ -290,6 +290,11 @@ def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
     planner = SizePlanner(
         model, "tfmemsafe.fit", memory_estimate=settings.memory_estimate
     )
+    # Read now, not after an error: a callable's pipeline is built to
+    # read it, and nothing may allocate while memory is full.
+    for source in (train_source, validation_source):
+        if source is not None:
+            source.sample_signature()
     history = fit_history_of(callbacks)
     backup = _backup.Decisions(callbacks)
     stored = backup.load(policy.requested(TRAINING))

@@ -111,6 +111,7 @@ class SinglePhase:
         self.caller = caller
         self.model = model
         self.source = source_for(data, "data", labelled=labelled)
+        self.source.sample_signature()  # Now, not while memory is full.
         size = self.source.resolve_batch_size(batch_size)
         _checks.start_sizes(min_batch_size, batch_size=size)
         self.policy = SizePolicy(
