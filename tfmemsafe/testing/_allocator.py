@@ -1,12 +1,17 @@
-"""The capped CPU allocator: its environment and its failure reports."""
+"""The capped CPU allocator: its environment, failures and training peak."""
 
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
 
 from tfmemsafe import _checks
+from tfmemsafe import memory
 
 
 class AllocatorFailures:
@@ -71,3 +76,47 @@ def memory_cap_environment(cap_mb: int) -> dict[str, str]:
         "TF_ENABLE_ONEDNN_OPTS": "0",
         "CUDA_VISIBLE_DEVICES": "",
     }
+
+
+def training_peak_bytes(
+    model: keras.Model,
+    data: Callable[[int], tf.data.Dataset],
+    batch_size: int,
+    steps: int = 3,
+) -> int | None:
+    """Returns the peak memory of a few training steps, or `None` on OOM.
+
+    Resets the default device's peak, trains `steps` steps of
+    `data(batch_size)` with `model.fit`, and reads the allocator's peak
+    (`tfmemsafe.memory_info`). The model's compiled train function is
+    dropped afterwards, so that the next call at another size traces
+    afresh, as `tfmemsafe.estimate_memory`'s probes do.
+
+    Args:
+        model: keras.Model. A compiled model; it trains, so its weights
+            change.
+        data: A callable from a batch size to a `tf.data.Dataset` of at
+            least `steps` batches, such as `random_data(...)`.
+        batch_size: int. The batch size to measure.
+        steps: int. How many training steps. Defaults to 3.
+
+    Returns:
+        The peak in bytes, or `None` if the steps ran out of memory (or the
+        device keeps no allocator statistics).
+
+    Example:
+    >>> model = tfmemsafe.testing.reference_model("mlp")
+    >>> data = tfmemsafe.testing.random_data((256,))
+    >>> peak = tfmemsafe.testing.training_peak_bytes(model, data, 512)
+    >>> peak > 0  # With allocator statistics, e.g. a capped CPU.
+    True
+    """
+    steps = _checks.integer("steps", steps, 1)
+    memory.reset_peak_memory()
+    try:
+        model.fit(data(batch_size).take(steps), verbose=0)
+    except tf.errors.ResourceExhaustedError:
+        return None
+    finally:
+        model.train_function = None
+    return memory.memory_info(include_limit=False).peak_bytes
