@@ -14,12 +14,7 @@ from tfmemsafe import testing
 
 def _train_conv_net(batch_size, steps=2):
     """Trains a small conv net; returns the final loss."""
-    import keras
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.random((batch_size * steps, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, batch_size * steps)
+    x, y = testing.random_images(batch_size * steps)
     model = keras.Sequential(
         [
             keras.Input((32, 32, 3)),
