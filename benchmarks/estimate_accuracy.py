@@ -1,13 +1,15 @@
 """How well `tfmemsafe.estimate_memory` predicts peaks beyond its probes.
 
 Four small networks on generated data, the architectures of issue #14's
-proof (`tests/estimate_test.py`, `RealCapTest`): a conv net (3x3
-convolutions of 16 and 16 channels, max pooling, one of 32, global
-pooling), a residual net with batch normalization (two blocks of two
-16-channel convolutions), an MLP (two dense layers of 1024 on 256
-features, dropout) and an `AccumulatingModel` (two micro-batches per
-step) whose two two-convolution blocks are `Checkpointed`; images are
-24x24x3, fed by a `tf.data` pipeline with one batch prefetched.
+proof (`tests/estimate_test.py`, `RealCapTest`), built by
+`tfmemsafe.testing.reference_model`: a conv net (3x3 convolutions of 16
+and 16 channels, max pooling, one of 32, global pooling), a residual net
+with batch normalization (two blocks of two 16-channel convolutions), an
+MLP (two dense layers of 1024 on 256 features, dropout) and an
+`AccumulatingModel` (two micro-batches per step) whose two
+two-convolution blocks are `Checkpointed`; images are 24x24x3, fed by
+`tfmemsafe.testing.random_data`, a `tf.data` pipeline with one batch
+prefetched.
 
 Each network runs in a fresh process whose CPU allocator is capped
 (TensorFlow's BFC allocator, oneDNN off, as
@@ -55,93 +57,20 @@ CAPS = {
 }
 
 
-def build(name, image_size=24):
-    """Returns `(model, data)`: a compiled network and a batching function."""
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    import tfmemsafe
-
-    keras.utils.set_random_seed(0)
-    conv = dict(padding="same", activation="relu")
-    shape = (256,) if name == "mlp" else (image_size, image_size, 3)
-    inputs = keras.Input(shape)
-    if name == "conv_net":
-        x = keras.layers.Conv2D(16, 3, **conv)(inputs)
-        x = keras.layers.Conv2D(16, 3, **conv)(x)
-        x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Conv2D(32, 3, padding="same")(x)
-        x = keras.layers.GlobalAveragePooling2D()(x)
-    elif name == "residual_net":
-        x = keras.layers.Conv2D(16, 3, padding="same")(inputs)
-        for _ in range(2):
-            r = keras.layers.Conv2D(16, 3, padding="same")(x)
-            r = keras.layers.ReLU()(keras.layers.BatchNormalization()(r))
-            r = keras.layers.Conv2D(16, 3, padding="same")(r)
-            r = keras.layers.BatchNormalization()(r)
-            x = keras.layers.ReLU()(keras.layers.Add()([x, r]))
-        x = keras.layers.GlobalAveragePooling2D()(x)
-    elif name == "mlp":
-        x = keras.layers.Dense(1024, activation="relu")(inputs)
-        x = keras.layers.Dense(1024, activation="relu")(x)
-        x = keras.layers.Dropout(0.1)(x)
-    elif name == "accumulating_checkpointed_net":
-        x = keras.layers.Conv2D(16, 3, **conv)(inputs)
-        for _ in range(2):
-            block = keras.Sequential(
-                [keras.layers.Conv2D(16, 3, **conv) for _ in range(2)]
-            )
-            x = tfmemsafe.Checkpointed(block)(x)
-        x = keras.layers.GlobalAveragePooling2D()(x)
-    else:
-        raise app.UsageError(f"Unknown architecture: {name}")
-    outputs = keras.layers.Dense(4)(x)
-    if name == "accumulating_checkpointed_net":
-        model = tfmemsafe.AccumulatingModel(
-            inputs, outputs, accumulation_steps=2
-        )
-    else:
-        model = keras.Model(inputs, outputs)
-    model.compile(
-        keras.optimizers.Adam(3e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    rows = 256
-    x = np.random.default_rng(0).normal(size=(rows, *shape)).astype("float32")
-    y = (x.reshape(rows, -1)[:, 0] > 0).astype("int32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    return model, lambda batch_size: dataset.batch(batch_size)
-
-
-def measured_peak(model, data, batch_size):
-    """The peak of three training steps, or `None` if they ran out."""
-    import tensorflow as tf
-
-    import tfmemsafe
-
-    tfmemsafe.reset_peak_memory()
-    try:
-        model.fit(data(batch_size).take(3), verbose=0)
-    except tf.errors.ResourceExhaustedError:
-        return None
-    finally:
-        model.train_function = None
-    return tfmemsafe.memory_info(include_limit=False).peak_bytes
-
-
 def measure(name, multiples, image_size=24):
     """Estimates, then measures at `multiples` of the largest probe."""
     import tfmemsafe
+    from tfmemsafe import testing
 
-    model, data = build(name, image_size)
+    shape = (256,) if name == "mlp" else (image_size, image_size, 3)
+    model = testing.reference_model(name, shape)
+    data = testing.random_data(shape)
     estimate = tfmemsafe.estimate_memory(model, data)
     largest = estimate.measurements[-1][0]
     rows = []
     for multiple in multiples:
         size = multiple * largest
-        peak = measured_peak(model, data, size)
+        peak = testing.training_peak_bytes(model, data, size)
         rows.append((size, estimate.peak_bytes(size), peak))
         if peak is None:
             break
@@ -159,6 +88,12 @@ def main(argv):
 
     multiples = [int(m) for m in _MULTIPLES.value]
     names = _ARCHITECTURES.value
+    unknown = [name for name in names if name not in CAPS]
+    if unknown:
+        raise app.UsageError(
+            f"`--architectures` must name some of {', '.join(CAPS)}. "
+            f"Received: {', '.join(unknown)}"
+        )
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
         futures = {
             name: pool.submit(

@@ -3,22 +3,27 @@
 Under a memory cap (TensorFlow's BFC allocator on the CPU limited to
 `--cap_mb`, so running out raises a real `ResourceExhaustedError`), trains
 one epoch of `--steps` steps of a small conv net (3x3 convolutions of 8
-channels, BatchNormalization, global pooling) on a pipeline whose images
-grow from 24x24 to `--large` pixels at step N/2 or 3N/4, so that batch
-`--batch_size` runs out there and half of it fits:
+channels, BatchNormalization, global pooling) on a pipeline of shuffled
+samples whose images grow from 24x24 to `--large` pixels at step N/2 or
+3N/4, so that batch `--batch_size` runs out there and half of it fits:
 
-- `epoch replay`: `tfmemsafe.fit` as it was before issue #15: the epoch's
-  saved state is put back and the epoch starts again at half the batch
-  (forced here by refusing to resume).
-- `resume at step`: `tfmemsafe.fit`: training goes on at the failed step,
-  at half the batch with twice the accumulation steps.
+- `epoch replay`: `tfmemsafe.fit` on a pipeline that reshuffles at every
+  iteration (`shuffle(..., reshuffle_each_iteration=True)`). Such data
+  cannot give the same order again, so `tfmemsafe.fit` does not resume at
+  the failed step: the epoch's saved state is put back and the epoch
+  starts again at half the batch, as it always did before issue #15.
+- `resume at step`: `tfmemsafe.fit` on the same pipeline shuffled once,
+  with a fixed seed (`reshuffle_each_iteration=False`): training goes on
+  at the failed step, at half the batch with twice the accumulation
+  steps.
 - `model.fit`: Keras at the size that fits, from the start (no error).
 
 Each run is a fresh process under the same cap, one after the other.
 Wall time and the process's CPU time are given; the cost of an error is
 the difference from `model.fit` minus the allocator's wait (measured once:
 one failing allocation, which TensorFlow's BFC allocator, like the GPU's,
-spends about ten seconds waiting for memory to be freed).
+spends about ten seconds waiting for memory to be freed). The run fails if
+a variant did not take its path (the `OOMEvent`'s `resumed_at_step`).
 
 It also times the host copy of every variable that `tfmemsafe.fit` takes
 at the start of each epoch, for a 25M-parameter model with Adam.
@@ -52,8 +57,10 @@ def run(variant, steps, batch_size, large, grow_fraction):
     rows = steps * batch_size
     grow_at = int(rows * grow_fraction)
 
-    def make(ids):
-        size = tf.where(ids[0] >= grow_at, large, 24)
+    def make(positions, ids):
+        # By position in the epoch, so the images grow at the same step
+        # whatever the order.
+        size = tf.where(positions[0] >= grow_at, large, 24)
         grid = tf.cast(tf.range(size), tf.float32)
         images = tf.sin(
             tf.cast(ids, tf.float32)[:, None, None, None] * 0.01
@@ -63,23 +70,23 @@ def run(variant, steps, batch_size, large, grow_fraction):
         )
         return images, ids % 4
 
+    # The variants differ only here: an order tfmemsafe.fit can give again
+    # (one fixed shuffle) or not (a new shuffle at every iteration).
+    reshuffle = variant == "epoch replay"
+
     def data(size):
-        ids = tf.data.Dataset.range(rows).map(lambda i: tf.cast(i, tf.int32))
-        return ids.batch(size).map(make)
+        ids = (
+            tf.data.Dataset.range(rows)
+            .map(lambda i: tf.cast(i, tf.int32))
+            .shuffle(rows, seed=0, reshuffle_each_iteration=reshuffle)
+        )
+        return ids.enumerate().batch(size).map(make)
 
     keras.utils.set_random_seed(0)
     model = tfmemsafe.AccumulatingModel(*_layers(keras), accumulation_steps=1)
     model.compile(
         "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
-    if variant == "epoch replay":
-        from tfmemsafe.recovery import _runner as _fit_run
-
-        def refuse(self, size):
-            self.resume_refusal = "benchmark: epoch replay"
-            return False
-
-        _fit_run.FitRun._can_resume = refuse  # The behaviour before #15.
     wall, cpu = time.perf_counter(), time.process_time()
     if variant == "model.fit":
         model.accumulation_steps = 2
@@ -91,6 +98,7 @@ def run(variant, steps, batch_size, large, grow_fraction):
         )
         events = history.oom_events
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    _check_path(variant, events)
     return {
         "wall": wall,
         "cpu": cpu,
@@ -98,6 +106,28 @@ def run(variant, steps, batch_size, large, grow_fraction):
         "iterations": int(model.optimizer.iterations),
         "steps_at": [e.step for e in events],
     }
+
+
+def _check_path(variant, events):
+    """Raises unless the variant ran out once and took its own path."""
+    if variant == "model.fit":
+        return
+    if not events:
+        raise RuntimeError(
+            f"{variant}: no out-of-memory error; lower --cap_mb or raise "
+            "--large."
+        )
+    resumed_at = events[0].resumed_at_step
+    if variant == "epoch replay" and resumed_at is not None:
+        raise RuntimeError(
+            f"epoch replay resumed at step {resumed_at} instead of "
+            "restarting the epoch: it would measure the resume path."
+        )
+    if variant == "resume at step" and resumed_at is None:
+        raise RuntimeError(
+            "resume at step restarted the epoch instead of resuming: it "
+            "would measure the replay path."
+        )
 
 
 def _layers(keras):
@@ -126,10 +156,14 @@ def allocator_wait():
 
 
 def snapshot_seconds(parameters=25_000_000):
-    """The epoch-start host copy for a model of `parameters` with Adam."""
-    import keras
+    """The epoch-start host copy for a model of `parameters` with Adam.
 
-    from tfmemsafe._model_state import Snapshot
+    What `tfmemsafe.fit` does at each epoch's start and after an error:
+    every variable of the model and of its optimizer copied to NumPy, and
+    assigned back.
+    """
+    import keras
+    import numpy as np
 
     width = 5000
     model = keras.Sequential(
@@ -137,12 +171,18 @@ def snapshot_seconds(parameters=25_000_000):
     )
     model.compile("adam", "mse")
     model.optimizer.build(model.trainable_variables)
-    Snapshot(model)  # Warm-up.
+    variables = model.variables + model.optimizer.variables
+
+    def take():
+        return [np.array(v.numpy(), copy=True) for v in variables]
+
+    take()  # Warm-up.
     start = time.perf_counter()
-    snapshot = Snapshot(model)
+    values = take()
     taken = time.perf_counter() - start
     start = time.perf_counter()
-    snapshot.restore()
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
     return model.count_params(), taken, time.perf_counter() - start
 
 

@@ -8,6 +8,7 @@ only). Workers that outlive the test's timeout are killed.
 import shutil
 import tempfile
 
+import _models
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
@@ -159,36 +160,13 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
             self.assertIn("PerReplica", error)
 
 
-_HOG = []  # What the memory hog holds on to, for the life of the worker.
-
-
 def _train_with_backup(batch_size, backup_dir, hog_mb=0, epochs=3):
     """Trains a conv net; worker 1 fills its memory at epoch 1 if asked."""
-    import keras
-
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    index = distribute.worker_index(strategy)
-
-    class MemoryHog(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if hog_mb and index == 1 and epoch == 1:
-                _HOG.append(tf.ones((hog_mb * 2**18,), tf.float32))
-
-    rng = np.random.default_rng(0)
-    x = rng.random((128, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, 128)
+    hog = _models.MemoryHog(hog_mb, distribute.worker_index(strategy))
+    x, y = _models.worker_images()
     with strategy.scope():
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((32, 32, 3))
-        hidden = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
-        hidden = keras.layers.GlobalAveragePooling2D()(hidden)
-        model = tfmemsafe.AccumulatingModel(
-            inputs, keras.layers.Dense(10)(hidden)
-        )
-        model.compile(
-            "adam",
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+        model = _models.worker_conv_net()
     try:
         history = tfmemsafe.fit(
             model,
@@ -197,7 +175,7 @@ def _train_with_backup(batch_size, backup_dir, hog_mb=0, epochs=3):
             epochs=epochs,
             callbacks=[
                 distribute.MultiWorkerBackupAndRestore(backup_dir),
-                MemoryHog(),
+                hog,
             ],
             shuffle=False,
             verbose=0,

@@ -37,99 +37,16 @@ def _compile(model, **kwargs):
     return model
 
 
-def _conv_net(size=24):
-    keras.utils.set_random_seed(0)
-    return _compile(
-        keras.Sequential(
-            [
-                keras.Input((size, size, 3)),
-                keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Conv2D(32, 3, padding="same"),
-                keras.layers.GlobalAveragePooling2D(),
-                keras.layers.Dense(4),
-            ]
-        )
-    )
-
-
-def _residual_net(size=24):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((size, size, 3))
-    x = keras.layers.Conv2D(16, 3, padding="same")(inputs)
-    for _ in range(2):
-        r = keras.layers.Conv2D(16, 3, padding="same")(x)
-        r = keras.layers.ReLU()(keras.layers.BatchNormalization()(r))
-        r = keras.layers.Conv2D(16, 3, padding="same")(r)
-        r = keras.layers.BatchNormalization()(r)
-        x = keras.layers.ReLU()(keras.layers.Add()([x, r]))
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return _compile(keras.Model(inputs, keras.layers.Dense(4)(x)))
-
-
-def _mlp(features=256):
-    keras.utils.set_random_seed(0)
-    return _compile(
-        keras.Sequential(
-            [
-                keras.Input((features,)),
-                keras.layers.Dense(1024, activation="relu"),
-                keras.layers.Dense(1024, activation="relu"),
-                keras.layers.Dropout(0.1),
-                keras.layers.Dense(4),
-            ]
-        )
-    )
-
-
-def _accumulating_checkpointed_net(size=24):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((size, size, 3))
-    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
-    for _ in range(2):
-        block = keras.Sequential(
-            [
-                keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            ]
-        )
-        x = tfmemsafe.Checkpointed(block)(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    outputs = keras.layers.Dense(4)(x)
-    return _compile(
-        tfmemsafe.AccumulatingModel(inputs, outputs, accumulation_steps=2)
-    )
-
-
-def _pipeline(shape, rows=256):
-    """A callable `batch_size -> dataset` over a few rows, repeated.
-
-    The rows are few, so the data's own memory is small beside the step's.
-    """
-    x = np.random.default_rng(0).normal(size=(rows, *shape)).astype("float32")
-    y = (x.reshape(rows, -1)[:, 0] > 0).astype("int32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    # One batch in flight: tf.data's autotuned prefetch buffers a varying
-    # number of batches (tens of MiB at the larger sizes), memory that no
-    # line in the batch size predicts.
-    return lambda batch_size: dataset.batch(batch_size).prefetch(1)
-
-
-# Each network with its input shape and the cap (MB) it runs under. With
-# oneDNN off (as the cap forces), Eigen's convolution gradients add a hump
-# of im2col buffers that grows up to ~100-200 images and then stays: the
-# caps leave the probes room to pass it, 20% of the free memory (see
-# docs/memory-estimate.md).
+# Each `testing.reference_model` with its input shape and the cap (MB) it
+# runs under. With oneDNN off (as the cap forces), Eigen's convolution
+# gradients add a hump of im2col buffers that grows up to ~100-200 images
+# and then stays: the caps leave the probes room to pass it, 20% of the
+# free memory (see docs/memory-estimate.md).
 _ARCHITECTURES = {
-    "conv_net": (_conv_net, (24, 24, 3), 450),
-    "residual_net": (_residual_net, (24, 24, 3), 1300),
-    "mlp": (_mlp, (256,), 250),
-    "accumulating_checkpointed_net": (
-        _accumulating_checkpointed_net,
-        (24, 24, 3),
-        1000,
-    ),
+    "conv_net": ((24, 24, 3), 450),
+    "residual_net": ((24, 24, 3), 1300),
+    "mlp": ((256,), 250),
+    "accumulating_checkpointed_net": ((24, 24, 3), 1000),
 }
 
 
@@ -144,25 +61,14 @@ def _fits(model, data, batch_size) -> bool:
         model.train_function = None
 
 
-def _measured_peak(model, data, batch_size) -> int | None:
-    """The peak of three training steps, or `None` if they ran out."""
-    tfmemsafe.reset_peak_memory()
-    try:
-        model.fit(data(batch_size).take(3), verbose=0)
-    except tf.errors.ResourceExhaustedError:
-        return None
-    finally:
-        model.train_function = None
-    return tfmemsafe.memory_info(include_limit=False).peak_bytes
-
-
 def architecture_under_cap(name):
     """Estimates, checks the line, trains at its size and bisects.
 
     Returns the sizes and peaks; the parent asserts on them.
     """
-    build, shape, _ = _ARCHITECTURES[name]
-    model, data = build(), _pipeline(shape)
+    shape, _ = _ARCHITECTURES[name]
+    model = testing.reference_model(name, shape)
+    data = testing.random_data(shape)
     estimate = tfmemsafe.estimate_memory(model, data)
     # Trained right after estimating, as `fit` would: an allocator laid out
     # by larger steps may no longer have room for it.
@@ -171,7 +77,7 @@ def architecture_under_cap(name):
     # Four times the largest probe, measured from the first step, as the
     # estimate's probes are.
     big = 4 * estimate.measurements[-1][0]
-    measured = _measured_peak(model, data, big)
+    measured = testing.training_peak_bytes(model, data, big)
     # Bisection for the largest batch that fits, in [good, bad): when
     # 4/3 of `best` runs out, `best` is at least 75% of it; two more
     # halvings of the interval say how close `best` is.
@@ -222,7 +128,7 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
                 cap_mb,
                 args=[name],
             )
-            for name, (_, _, cap_mb) in _ARCHITECTURES.items()
+            for name, (_, cap_mb) in _ARCHITECTURES.items()
         }
 
     @classmethod
@@ -276,7 +182,7 @@ def _needs_statistics(test):
 class EstimateMemoryTest(tf.test.TestCase):
     def test_leaves_every_variable_of_a_trained_model_as_found(self):
         _needs_statistics(self)
-        model = _residual_net(size=8)
+        model = testing.reference_model("residual_net", (8, 8, 3))
         model = tfmemsafe.with_gradient_accumulation(model, 2)
         _compile(model)
         x = np.random.default_rng(0).normal(size=(64, 8, 8, 3))
@@ -344,7 +250,9 @@ def _estimate_a_small_mlp():
     # Sizes past the MLP's floor (its Adam update, flat to about 256):
     # at 64 to 256 a small MLP's peaks were noise (24.6, 28.1, 24.0 MiB).
     estimate = tfmemsafe.estimate_memory(
-        _mlp(), _pipeline((256,)), batch_sizes=[1024, 2048, 4096]
+        testing.reference_model("mlp"),
+        testing.random_data((256,)),
+        batch_sizes=[1024, 2048, 4096],
     )
     return {
         "sizes": [size for size, _ in estimate.measurements],
@@ -360,7 +268,7 @@ def _estimate_a_small_mlp():
 def _estimate_without_statistics():
     import tfmemsafe
 
-    model = _mlp(features=8)
+    model = testing.reference_model("mlp", (8,))
     before = [v.numpy().copy() for v in model.variables]
     x = np.zeros((32, 8), "float32")
     y = np.zeros((32,), "int32")
@@ -448,7 +356,7 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_unknown_data_kind_is_rejected(self):
         with self.assertRaisesRegex(TypeError, r"^`data` must be"):
-            tfmemsafe.estimate_memory(_mlp(features=3), 42)
+            tfmemsafe.estimate_memory(testing.reference_model("mlp", (3,)), 42)
 
     @parameterized.named_parameters(
         ("one_size", [8], ValueError, "must hold at least two"),
@@ -460,7 +368,7 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     def test_bad_batch_sizes_are_rejected(self, sizes, error, text):
         with self.assertRaisesRegex(error, rf"^`batch_sizes` {text}"):
             tfmemsafe.estimate_memory(
-                _mlp(features=3),
+                testing.reference_model("mlp", (3,)),
                 (np.zeros((4, 3)), np.zeros(4)),
                 batch_sizes=sizes,
             )
@@ -468,7 +376,7 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     def test_bad_device_is_rejected(self):
         with self.assertRaisesRegex(ValueError, r"^`device` must name"):
             tfmemsafe.estimate_memory(
-                _mlp(features=3),
+                testing.reference_model("mlp", (3,)),
                 (np.zeros((4, 3)), np.zeros(4)),
                 device="nowhere",
             )

@@ -28,25 +28,8 @@ from tfmemsafe import testing  # noqa: E402
 _CAP_MB = 300
 
 
-def _conv_net(seed=0):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(32, 3, padding="same"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(4),
-        ]
-    )
-    model.compile(
-        keras.optimizers.Adam(3e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+def _conv_net():
+    return testing.reference_model("conv_net", (32, 32, 3))
 
 
 def _images(rows):

@@ -17,6 +17,7 @@ import os
 import tempfile
 import warnings
 
+import _models
 import keras
 import numpy as np
 import tensorflow as tf
@@ -29,24 +30,8 @@ _MB = 1024 * 1024
 _CAP_MB = 300
 
 
-def _conv_net(seed=0, size=32, filters=16):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((size, size, 3)),
-            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
-            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(2 * filters, 3, padding="same"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(4),
-        ]
-    )
-    model.compile(
-        keras.optimizers.Adam(3e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
+def _conv_net():
+    return testing.reference_model("conv_net", (32, 32, 3), metrics=None)
 
 
 def _images(rows, size=32):
@@ -124,42 +109,6 @@ class _Ballast(keras.callbacks.Callback):
 
     def on_predict_batch_end(self, batch, logs=None):
         self.predicted_rows.append(int(logs["outputs"].shape[0]))
-
-
-class _RaiseOutOfMemory(keras.callbacks.Callback):
-    """Raises a `ResourceExhaustedError` once at each given point.
-
-    `points` are `(phase, epoch, step)` with phase "train", "test" or
-    "epoch_end" (step ignored), or `("predict", None, step)`.
-    """
-
-    def __init__(self, *points):
-        super().__init__()
-        self.points = set(points)
-        self.epoch = None
-
-    def _maybe_raise(self, phase, step):
-        point = (phase, self.epoch, step)
-        if point in self.points:
-            self.points.discard(point)
-            raise tf.errors.ResourceExhaustedError(
-                None, None, f"OOM when allocating tensor (injected: {point})"
-            )
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._maybe_raise("train", batch)
-
-    def on_test_batch_begin(self, batch, logs=None):
-        self._maybe_raise("test", batch)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._maybe_raise("epoch_end", None)
-
-    def on_predict_batch_begin(self, batch, logs=None):
-        self._maybe_raise("predict", batch)
 
 
 class _Recorder(keras.callbacks.Callback):
@@ -386,7 +335,7 @@ def mirrored_strategy_under_cap():
         (x, y),
         batch_size=512,
         epochs=2,
-        callbacks=[_RaiseOutOfMemory(("train", 1, 1))],
+        callbacks=[testing.SimulatedOutOfMemory(("train", 1, 1))],
         shuffle=False,
         # Plain halving, to compare with the reference's 512 then 256.
         memory_estimate=False,
@@ -420,24 +369,6 @@ _SCENARIOS = {
     # replicas can hold.
     mirrored_strategy_under_cap: 250,
 }
-
-
-def _dense_model(optimizer=None, seed=0):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(optimizer or keras.optimizers.Adam(1e-2), "mse")
-    return model
-
-
-def _table(rows=256):
-    x = np.random.default_rng(1).normal(size=(rows, 4)).astype("float32")
-    return x, x.sum(axis=1, keepdims=True)
 
 
 class _TwoOptimizers(keras.Model):
@@ -497,16 +428,6 @@ def _two_optimizers():
     return model
 
 
-def _data_of_kind(kind, x, y):
-    dataset = tf.data.Dataset.from_tensor_slices((x, y))
-    return {
-        "arrays": (x, y),
-        "unbatched_dataset": dataset,
-        "batched_dataset": dataset.batch(32),
-        "callable": lambda batch_size: dataset.batch(batch_size),
-    }[kind]
-
-
 _KINDS = (
     ("arrays", "arrays"),
     ("unbatched_dataset", "unbatched_dataset"),
@@ -519,9 +440,9 @@ def _fit_running_out(model, *points, callbacks=(), **kwargs):
     """`tfmemsafe.fit` on the table at batch 32, running out at `points`."""
     return tfmemsafe.fit(
         model,
-        _table(),
+        _models.table(),
         batch_size=32,
-        callbacks=[_RaiseOutOfMemory(*points), *callbacks],
+        callbacks=[testing.SimulatedOutOfMemory(*points), *callbacks],
         verbose=0,
         **kwargs,
     )
@@ -542,14 +463,14 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
 
     @parameterized.named_parameters(*_KINDS)
     def test_every_data_kind_resumes_at_half_the_batch(self, kind):
-        x, y = _table()
+        x, y = _models.table()
         history = tfmemsafe.fit(
-            _dense_model(),
-            _data_of_kind(kind, x, y),
+            _models.dense_model(),
+            _models.data_of_kind(kind, x, y),
             batch_size=32,
             epochs=3,
-            validation_data=_data_of_kind(kind, x, y),
-            callbacks=[_RaiseOutOfMemory(("train", 1, 2))],
+            validation_data=_models.data_of_kind(kind, x, y),
+            callbacks=[testing.SimulatedOutOfMemory(("train", 1, 2))],
             verbose=0,
         )
         self.assertEqual(history.epoch, [0, 1, 2])
@@ -565,22 +486,22 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIsNone(event.accumulation_steps)
 
     def test_resumed_epoch_restores_loss_scale_optimizer_state(self):
-        x, y = _table()
+        x, y = _models.table()
 
         def optimizer():
             return keras.optimizers.LossScaleOptimizer(
                 keras.optimizers.Adam(1e-2), initial_scale=2.0**10
             )
 
-        model = _dense_model(optimizer())
+        model = _models.dense_model(optimizer())
         _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
-        reference = _dense_model(optimizer())
+        reference = _models.dense_model(optimizer())
         # Resumed at the failed step 3 of epoch 1.
         _fit_epochs(reference, x, y, [32, (32, 3, 16), 16])
         self.assertSameState(model, reference)
 
     def test_resumed_epoch_restores_optimizers_held_as_attributes(self):
-        x, y = _table()
+        x, y = _models.table()
         model = _two_optimizers()
         _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
         reference = _two_optimizers()
@@ -597,13 +518,13 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
 
     @parameterized.named_parameters(*_KINDS[1:])
     def test_dataset_kinds_do_not_warn_that_shuffle_is_ignored(self, kind):
-        x, y = _table(64)
-        data = _data_of_kind(kind, x, y)
+        x, y = _models.table(64)
+        data = _models.data_of_kind(kind, x, y)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            tfmemsafe.fit(_dense_model(), data, batch_size=32, verbose=0)
+            tfmemsafe.fit(_models.dense_model(), data, batch_size=32, verbose=0)
             tfmemsafe.find_max_batch_size(
-                _dense_model(), data, start=16, max_batch_size=32
+                _models.dense_model(), data, start=16, max_batch_size=32
             )
         messages = [str(w.message) for w in caught]
         self.assertEmpty([m for m in messages if "shuffle" in m], messages)
@@ -611,10 +532,12 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_accumulating_model_resumes_with_twice_the_steps(self):
         # The error strikes mid-window (step 3 of windows of 2): the
         # partial window is discarded with the rest of the epoch's state.
-        x, y = _table()
+        x, y = _models.table()
 
         def accumulating(steps):
-            return tfmemsafe.with_gradient_accumulation(_dense_model(), steps)
+            return tfmemsafe.with_gradient_accumulation(
+                _models.dense_model(), steps
+            )
 
         model = accumulating(2)
         history = _fit_running_out(
@@ -631,7 +554,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_validation_failure_halves_only_the_validation_batch(self):
         history = _fit_running_out(
-            _dense_model(), ("test", 0, 1), epochs=2, validation_data=_table()
+            _models.dense_model(),
+            ("test", 0, 1),
+            epochs=2,
+            validation_data=_models.table(),
         )
         [event] = history.oom_events
         self.assertEqual(event.phase, "validation")
@@ -646,7 +572,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         # 2. Were `on_train_begin` called again on the retry at epoch 2,
         # the count would restart and training would go on to epoch 4.
         history = _fit_running_out(
-            _dense_model(),
+            _models.dense_model(),
             ("train", 2, 0),
             epochs=8,
             callbacks=[
@@ -658,7 +584,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_memory_monitor_records_every_attempt_as_one_run(self):
         monitor = tfmemsafe.MemoryMonitor(verbose=0)
         history = _fit_running_out(
-            _dense_model(), ("train", 1, 2), epochs=3, callbacks=[monitor]
+            _models.dense_model(),
+            ("train", 1, 2),
+            epochs=3,
+            callbacks=[monitor],
         )
         self.assertLen(history.history["memory_peak_mb"], 3)
         # Epoch 1: steps 0 and 1 at 32, then the rest of it (192 rows) at
@@ -669,7 +598,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_history_forgets_an_epoch_that_failed_after_it_was_recorded(self):
         history = keras.callbacks.History()
         returned = _fit_running_out(
-            _dense_model(),
+            _models.dense_model(),
             ("epoch_end", 1, None),
             epochs=3,
             callbacks=[history],
@@ -681,10 +610,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_resumes_at_the_failed_epoch_after_backup_and_restore(self):
         # BackupAndRestore resumes an interrupted run at epoch 2; the OOM
         # in epoch 3 must resume at 3, not at the epoch it restored.
-        x, y = _table()
+        x, y = _models.table()
         backup = os.path.join(self.get_temp_dir(), "backup")
         with self.assertRaises(KeyboardInterrupt):
-            _dense_model().fit(
+            _models.dense_model().fit(
                 x,
                 y,
                 epochs=5,
@@ -698,13 +627,13 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             )
         recorder = _Recorder()
         history = tfmemsafe.fit(
-            _dense_model(),
+            _models.dense_model(),
             (x, y),
             batch_size=32,
             epochs=5,
             callbacks=[
                 keras.callbacks.BackupAndRestore(backup),
-                _RaiseOutOfMemory(("train", 3, 1)),
+                testing.SimulatedOutOfMemory(("train", 3, 1)),
                 recorder,
             ],
             verbose=0,
@@ -714,10 +643,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(history.epoch, [2, 3, 4])
 
     def test_steps_per_epoch_doubles_with_the_halved_batch(self):
-        x, y = _table()
+        x, y = _models.table()
         recorder = _StepCounter()
         tfmemsafe.fit(
-            _dense_model(),
+            _models.dense_model(),
             lambda batch_size: (
                 tf.data.Dataset.from_tensor_slices((x, y))
                 .repeat()
@@ -726,7 +655,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             batch_size=32,
             epochs=2,
             steps_per_epoch=4,
-            callbacks=[_RaiseOutOfMemory(("train", 0, 1)), recorder],
+            callbacks=[testing.SimulatedOutOfMemory(("train", 0, 1)), recorder],
             verbose=0,
         )
         self.assertEqual(recorder.steps, [8, 8])
@@ -734,7 +663,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_plain_model_warns_once_that_the_effective_batch_changes(self):
         with self.assertLogs(level="WARNING") as logs:
             history = _fit_running_out(
-                _dense_model(), ("train", 0, 0), ("train", 1, 0), epochs=2
+                _models.dense_model(),
+                ("train", 0, 0),
+                ("train", 1, 0),
+                epochs=2,
             )
         self.assertEqual(history.batch_size, 8)
         effective = [m for m in logs.output if "effective batch" in m]
@@ -748,7 +680,10 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             r"`max_retries` is used up",
         ) as caught:
             _fit_running_out(
-                _dense_model(), ("train", 0, 0), ("train", 0, 1), max_retries=1
+                _models.dense_model(),
+                ("train", 0, 0),
+                ("train", 0, 1),
+                max_retries=1,
             )
         self.assertIsInstance(
             caught.exception.__cause__, tf.errors.ResourceExhaustedError
@@ -756,7 +691,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(caught.exception.tried_batch_sizes, (32, 16))
 
     def test_error_that_is_not_oom_propagates_unchanged_without_retry(self):
-        x, _ = _table()
+        x, _ = _models.table()
         bad_labels = np.zeros((len(x), 2), "int32")  # Sparse labels: (n,).
 
         def classifier():
@@ -777,11 +712,11 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(recorder.epochs_begun, [0])
 
     def test_keyboard_interrupt_propagates_without_retry(self):
-        x, y = _table()
+        x, y = _models.table()
         recorder = _Recorder()
         with self.assertRaises(KeyboardInterrupt):
             tfmemsafe.fit(
-                _dense_model(),
+                _models.dense_model(),
                 (x, y),
                 epochs=3,
                 callbacks=[
@@ -797,9 +732,9 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_auto_batch_size_uses_the_largest_that_was_tried(self):
         # Without allocator statistics (no BFC cap here) only the data
         # bounds the search: 64 rows.
-        x, y = _table(64)
+        x, y = _models.table(64)
         history = tfmemsafe.fit(
-            _dense_model(), (x, y), batch_size="auto", verbose=0
+            _models.dense_model(), (x, y), batch_size="auto", verbose=0
         )
         self.assertEqual(history.batch_size, 64)
 
@@ -835,26 +770,26 @@ class PredictEvaluateTest(parameterized.TestCase, tf.test.TestCase):
     def test_predict_keeps_every_row_in_order_after_halving(
         self, kind, batch_size
     ):
-        x, y = _table(250)
-        model = _dense_model()
-        data = x if kind == "arrays" else _data_of_kind(kind, x, y)
+        x, y = _models.table(250)
+        model = _models.dense_model()
+        data = x if kind == "arrays" else _models.data_of_kind(kind, x, y)
         predictions = tfmemsafe.predict(
             model,
             data,
             batch_size=batch_size,
-            callbacks=[_RaiseOutOfMemory(("predict", None, 3))],
+            callbacks=[testing.SimulatedOutOfMemory(("predict", None, 3))],
             verbose=0,
         )
         self.assertAllClose(predictions, model.predict(x, verbose=0))
 
     def test_evaluate_covers_all_data_once_after_halving(self):
-        x, y = _table(250)
-        model = _dense_model()
+        x, y = _models.table(250)
+        model = _models.dense_model()
         result = tfmemsafe.evaluate(
             model,
             (x, y),
             batch_size=64,
-            callbacks=[_RaiseOutOfMemory(("test", None, 2))],
+            callbacks=[testing.SimulatedOutOfMemory(("test", None, 2))],
             verbose=0,
             return_dict=True,
         )
@@ -864,8 +799,8 @@ class PredictEvaluateTest(parameterized.TestCase, tf.test.TestCase):
 
 class FindMaxBatchSizeTest(tf.test.TestCase):
     def test_leaves_weights_and_loss_scale_optimizer_as_found(self):
-        x, y = _table(512)
-        model = _dense_model(
+        x, y = _models.table(512)
+        model = _models.dense_model(
             keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
         )
         model.fit(x, y, batch_size=64, verbose=0)
@@ -879,7 +814,7 @@ class FindMaxBatchSizeTest(tf.test.TestCase):
             self.assertAllEqual(expected, variable.numpy(), msg=variable.path)
 
     def test_leaves_optimizers_held_as_attributes_as_found(self):
-        x, y = _table(512)
+        x, y = _models.table(512)
         model = _two_optimizers()
         model.fit(x, y, batch_size=64, verbose=0)
         before = [v.numpy().copy() for v in model.state]
@@ -890,8 +825,8 @@ class FindMaxBatchSizeTest(tf.test.TestCase):
             self.assertAllEqual(expected, variable.numpy(), msg=variable.path)
 
     def test_builds_the_optimizer_so_a_fresh_one_stays_fresh(self):
-        x, y = _table(64)
-        model = _dense_model()
+        x, y = _models.table(64)
+        model = _models.dense_model()
         self.assertFalse(model.optimizer.built)
         tfmemsafe.find_max_batch_size(model, (x, y), max_batch_size=32)
         self.assertEqual(int(model.optimizer.iterations), 0)
@@ -908,7 +843,7 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     )
     def test_unknown_data_kind_raises_type_error(self, data):
         with self.assertRaisesRegex(TypeError, r"^`data` must be a callable"):
-            tfmemsafe.fit(_dense_model(), data)
+            tfmemsafe.fit(_models.dense_model(), data)
 
     @parameterized.named_parameters(
         ("min_batch_size", {"min_batch_size": 0}, "min_batch_size"),
@@ -917,35 +852,37 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         ("epochs", {"epochs": 0}, "epochs"),
     )
     def test_out_of_range_argument_raises_value_error(self, kwargs, name):
-        x, y = _table(8)
+        x, y = _models.table(8)
         with self.assertRaisesRegex(
             ValueError, rf"^`{name}` must be an integer"
         ):
-            tfmemsafe.fit(_dense_model(), (x, y), **kwargs)
+            tfmemsafe.fit(_models.dense_model(), (x, y), **kwargs)
 
     def test_callable_data_needs_a_batch_size(self):
         with self.assertRaisesRegex(ValueError, r"^`batch_size` is required"):
-            tfmemsafe.fit(_dense_model(), lambda b: None)
+            tfmemsafe.fit(_models.dense_model(), lambda b: None)
 
     def test_callable_must_return_a_dataset(self):
         with self.assertRaisesRegex(TypeError, r"^`data` must return a tf"):
-            tfmemsafe.fit(_dense_model(), lambda b: [1, 2], batch_size=2)
+            tfmemsafe.fit(_models.dense_model(), lambda b: [1, 2], batch_size=2)
 
     def test_x_keyword_is_rejected(self):
-        x, y = _table(8)
+        x, y = _models.table(8)
         with self.assertRaisesRegex(TypeError, r"^`x` is not an argument"):
-            tfmemsafe.fit(_dense_model(), (x, y), x=x)
+            tfmemsafe.fit(_models.dense_model(), (x, y), x=x)
 
     def test_uncompiled_model_is_rejected(self):
-        x, y = _table(8)
+        x, y = _models.table(8)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         with self.assertRaisesRegex(ValueError, r"^`model` must be compiled"):
             tfmemsafe.fit(model, (x, y))
 
     def test_headroom_must_be_a_fraction(self):
-        x, y = _table(8)
+        x, y = _models.table(8)
         with self.assertRaisesRegex(ValueError, r"^`headroom` must be"):
-            tfmemsafe.find_max_batch_size(_dense_model(), (x, y), headroom=1)
+            tfmemsafe.find_max_batch_size(
+                _models.dense_model(), (x, y), headroom=1
+            )
 
 
 class RealOutOfMemoryTest(tf.test.TestCase):

@@ -17,6 +17,7 @@ import functools
 import shutil
 import tempfile
 
+import _models
 import keras
 import numpy as np
 import tensorflow as tf
@@ -74,28 +75,12 @@ class CountingModel(keras.Model):
 
 def _counting(accumulation_steps=None, rows=_ROWS):
     model = CountingModel(rows)
-    (x, ids), _ = _table(rows)
+    (x, ids), _ = _models.table(rows, ids=True)
     model((x[:1], ids[:1]))  # Built, so wrapping it keeps its variables.
     if accumulation_steps is not None:
         model = tfmemsafe.with_gradient_accumulation(model, accumulation_steps)
     model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
     return model
-
-
-def _table(rows=_ROWS):
-    x = np.random.default_rng(1).normal(size=(rows, 4)).astype("float32")
-    ids = np.arange(rows, dtype="int32")
-    return (x, ids), x.sum(axis=1, keepdims=True)
-
-
-def _data_of_kind(kind, inputs, y):
-    dataset = tf.data.Dataset.from_tensor_slices((inputs, y))
-    return {
-        "arrays": (inputs, y),
-        "unbatched_dataset": dataset,
-        "batched_dataset": dataset.batch(_BATCH),
-        "callable": lambda batch_size: dataset.batch(batch_size),
-    }[kind]
 
 
 _KINDS = (
@@ -105,36 +90,6 @@ _KINDS = (
     ("batched_dataset", "batched_dataset", False),
     ("callable", "callable", False),
 )
-
-
-class _RaiseOutOfMemory(keras.callbacks.Callback):
-    """Raises a `ResourceExhaustedError` once at each `(phase, epoch, step)`.
-
-    `phase` is "train" or "test". It counts epochs and steps itself, so it
-    sees what a user's callback sees.
-    """
-
-    def __init__(self, *points):
-        super().__init__()
-        self.points = set(points)
-        self.epoch = None
-
-    def _maybe_raise(self, phase, step):
-        point = (phase, self.epoch, step)
-        if point in self.points:
-            self.points.discard(point)
-            raise tf.errors.ResourceExhaustedError(
-                None, None, f"OOM when allocating tensor (injected: {point})"
-            )
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._maybe_raise("train", batch)
-
-    def on_test_batch_begin(self, batch, logs=None):
-        self._maybe_raise("test", batch)
 
 
 class _Recorder(keras.callbacks.Callback):
@@ -178,24 +133,11 @@ class PhantomStepTest(parameterized.TestCase, tf.test.TestCase):
     """Issue #16.1: `iterations` counts updates whatever the data kind."""
 
     def _rows(self):
-        (x, _), y = _table(1024)
+        (x, _), y = _models.table(1024, ids=True)
         return tf.data.Dataset.from_tensor_slices((x, y))
 
     def _model(self, accumulation_steps=None):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((4,)),
-                keras.layers.Dense(8, activation="relu"),
-                keras.layers.Dense(1),
-            ]
-        )
-        if accumulation_steps is not None:
-            model = tfmemsafe.with_gradient_accumulation(
-                model, accumulation_steps
-            )
-        model.compile(keras.optimizers.Adam(1e-2), "mse")
-        return model
+        return _models.dense_model(accumulation_steps=accumulation_steps)
 
     @parameterized.named_parameters(("plain", None), ("accumulating", 2))
     def test_rebatched_dataset_takes_no_phantom_step(self, steps):
@@ -238,7 +180,7 @@ class GiveUpTest(tf.test.TestCase):
         return [v.numpy() for v in model.variables + model.optimizer.variables]
 
     def test_giving_up_puts_back_the_last_completed_epoch(self):
-        (x, ids), y = _table()
+        (x, ids), y = _models.table(ids=True)
         reference = _counting()
         reference.fit((x, ids), y, batch_size=_BATCH, shuffle=False, verbose=0)
         model = _counting()
@@ -255,14 +197,14 @@ class GiveUpTest(tf.test.TestCase):
                 epochs=3,
                 max_retries=0,
                 shuffle=False,
-                callbacks=[_RaiseOutOfMemory(("train", 1, 3))],
+                callbacks=[testing.SimulatedOutOfMemory(("train", 1, 3))],
                 verbose=0,
             )
         self.assertEqual(int(model.optimizer.iterations), 8)
         self.assertAllClose(self._state(model), self._state(reference))
 
     def test_giving_up_in_the_first_epoch_puts_back_the_start(self):
-        (x, ids), y = _table()
+        (x, ids), y = _models.table(ids=True)
         model = _counting()
         model.optimizer.build(model.trainable_variables)
         start = self._state(model)
@@ -276,7 +218,7 @@ class GiveUpTest(tf.test.TestCase):
                 ((x, ids), y),
                 batch_size=_BATCH,
                 min_batch_size=_BATCH,
-                callbacks=[_RaiseOutOfMemory(("train", 0, 5))],
+                callbacks=[testing.SimulatedOutOfMemory(("train", 0, 5))],
                 verbose=0,
             )
         self.assertAllClose(self._state(model), start)
@@ -289,17 +231,20 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
     def test_each_sample_trains_once_per_epoch_after_resuming(
         self, kind, shuffle
     ):
-        inputs, y = _table()
+        inputs, y = _models.table(ids=True)
         model = _counting()
         recorder = _Recorder()
         with self.assertLogs(level="WARNING") as logs:
             history = _fit(
                 model,
-                _data_of_kind(kind, inputs, y),
+                _models.data_of_kind(kind, inputs, y),
                 batch_size=_BATCH,
                 epochs=3,
                 shuffle=shuffle,
-                callbacks=[_RaiseOutOfMemory(("train", 1, 5)), recorder],
+                callbacks=[
+                    testing.SimulatedOutOfMemory(("train", 1, 5)),
+                    recorder,
+                ],
                 verbose=0,
             )
         [event] = history.oom_events
@@ -332,7 +277,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
     def test_resumed_epoch_logs_and_weights_match_fit_on_the_same_batches(
         self,
     ):
-        (x, ids), y = _table()
+        (x, ids), y = _models.table(ids=True)
         model = _counting()
         history = _fit(
             model,
@@ -340,7 +285,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
             batch_size=_BATCH,
             epochs=2,
             shuffle=False,
-            callbacks=[_RaiseOutOfMemory(("train", 1, 5))],
+            callbacks=[testing.SimulatedOutOfMemory(("train", 1, 5))],
             verbose=0,
         )
         # What never failing would do: epoch 1 whole at 32; epoch 2 in 5
@@ -364,7 +309,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
     ):
         # Windows of 2 batches of 32; the error at step 3 splits a window
         # whose first half already ran: it ends with 2 batches of 16.
-        inputs, y = _table()
+        inputs, y = _models.table(ids=True)
         model = _counting(accumulation_steps=2)
         history = _fit(
             model,
@@ -372,21 +317,25 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
             batch_size=_BATCH,
             epochs=2,
             shuffle=False,
-            callbacks=[_RaiseOutOfMemory(("train", 0, 3))],
+            callbacks=[testing.SimulatedOutOfMemory(("train", 0, 3))],
             verbose=0,
         )
         self.assertEqual(history.oom_events[0].resumed_at_step, 3)
         self.assertEqual(model.accumulation_steps, 4)
         reference = _counting(accumulation_steps=2)
         reference.fit(
-            *_table(), batch_size=_BATCH, epochs=2, shuffle=False, verbose=0
+            *_models.table(ids=True),
+            batch_size=_BATCH,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
         )
         self.assertEqual(int(model.optimizer.iterations), 8)
         self.assertAllClose(_weights(model), _weights(reference), atol=1e-5)
         self.assertAllEqual(model.inner_model.seen.numpy(), np.full(_ROWS, 2.0))
 
     def test_validation_failure_resumes_the_validation_not_the_epoch(self):
-        inputs, y = _table()
+        inputs, y = _models.table(ids=True)
         model = _counting()
         recorder = _Recorder()
         history = _fit(
@@ -396,7 +345,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
             epochs=2,
             shuffle=False,
             validation_data=(inputs, y),
-            callbacks=[_RaiseOutOfMemory(("test", 0, 3)), recorder],
+            callbacks=[testing.SimulatedOutOfMemory(("test", 0, 3)), recorder],
             verbose=0,
         )
         [event] = history.oom_events
@@ -421,7 +370,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
         )
 
     def test_unseeded_shuffle_falls_back_to_replaying_the_epoch(self):
-        inputs, y = _table()
+        inputs, y = _models.table(ids=True)
         rows = tf.data.Dataset.from_tensor_slices((inputs, y))
         model = _counting()
         with self.assertLogs(level="WARNING") as logs:
@@ -430,7 +379,7 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
                 lambda size: rows.shuffle(_ROWS).batch(size),
                 batch_size=_BATCH,
                 epochs=2,
-                callbacks=[_RaiseOutOfMemory(("train", 1, 5))],
+                callbacks=[testing.SimulatedOutOfMemory(("train", 1, 5))],
                 verbose=0,
             )
         [event] = history.oom_events
@@ -697,36 +646,14 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertTrue(result["equals_epoch_end"])
 
 
-_HOG = []  # What the memory hog holds on to, for the life of the worker.
-
-
 def train_worker_with_backup(backup_dir, hog_mb=0):
     """Trains 3 epochs of a conv net; worker 1 fills its memory at epoch 1."""
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     index = distribute.worker_index(strategy)
-    begun = []
-
-    class MemoryHog(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            begun.append(epoch)
-            if hog_mb and index == 1 and epoch == 1:
-                _HOG.append(tf.ones((hog_mb * 2**18,), tf.float32))
-
-    rng = np.random.default_rng(0)
-    x = rng.random((128, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, 128)
+    hog = _models.MemoryHog(hog_mb, index)
+    x, y = _models.worker_images()
     with strategy.scope():
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((32, 32, 3))
-        hidden = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
-        hidden = keras.layers.GlobalAveragePooling2D()(hidden)
-        model = tfmemsafe.AccumulatingModel(
-            inputs, keras.layers.Dense(10)(hidden)
-        )
-        model.compile(
-            "adam",
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+        model = _models.worker_conv_net()
     try:
         history = _fit(
             model,
@@ -735,16 +662,16 @@ def train_worker_with_backup(backup_dir, hog_mb=0):
             epochs=3,
             callbacks=[
                 distribute.MultiWorkerBackupAndRestore(backup_dir),
-                MemoryHog(),
+                hog,
             ],
             shuffle=False,
             verbose=0,
         )
     except tfmemsafe.OutOfMemoryError as err:
-        return {"error": str(err), "begun": begun}
+        return {"error": str(err), "begun": hog.begun}
     return {
         "epochs": history.epoch,
-        "begun": begun,
+        "begun": hog.begun,
         "batch_size": history.batch_size,
         "accumulation_steps": model.accumulation_steps,
         "iterations": int(model.optimizer.iterations.numpy()),

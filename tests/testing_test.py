@@ -3,6 +3,8 @@
 import os
 import tempfile
 
+import keras
+import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -12,12 +14,7 @@ from tfmemsafe import testing
 
 def _train_conv_net(batch_size, steps=2):
     """Trains a small conv net; returns the final loss."""
-    import keras
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.random((batch_size * steps, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, batch_size * steps)
+    x, y = testing.random_images(batch_size * steps)
     model = keras.Sequential(
         [
             keras.Input((32, 32, 3)),
@@ -193,6 +190,185 @@ class RunInSubprocessTest(parameterized.TestCase, tf.test.TestCase):
     def test_missing_script_is_refused(self):
         with self.assertRaisesRegex(ValueError, r"script not found"):
             testing.run_in_subprocess("/no/such/script.py")
+
+
+class _Steps(keras.callbacks.Callback):
+    """Records the `(epoch, step)` of every training step that ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.ended = []
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ended.append((self.epoch, batch))
+
+
+def _small_dense():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+class SimulatedOutOfMemoryTest(parameterized.TestCase, tf.test.TestCase):
+    def test_raises_a_recognised_oom_once_at_the_given_step(self):
+        x = np.zeros((64, 4), "float32")
+        callback = testing.SimulatedOutOfMemory(("train", 1, 2))
+        steps = _Steps()
+        model = _small_dense()
+        with self.assertRaisesRegex(
+            tf.errors.ResourceExhaustedError, r"^OOM when allocating tensor"
+        ) as caught:
+            model.fit(
+                x,
+                x[:, :1],
+                batch_size=16,
+                epochs=2,
+                callbacks=[callback, steps],
+                verbose=0,
+            )
+        self.assertTrue(tfmemsafe.is_oom_error(caught.exception))
+        # Raised before step 2 of epoch 1 ran.
+        self.assertEqual(steps.ended[-1], (1, 1))
+        self.assertLen(steps.ended, 4 + 2)
+        # Spent: the same step goes through the second time.
+        model.fit(x, x[:, :1], batch_size=16, callbacks=[callback], verbose=0)
+        self.assertEmpty(callback.points)
+
+    @parameterized.named_parameters(
+        ("test", ("test", None, 1), "evaluate"),
+        ("predict", ("predict", None, 1), "predict"),
+        ("epoch_end", ("epoch_end", 0, None), "fit"),
+    )
+    def test_each_phase_raises_where_it_says(self, point, method):
+        x = np.zeros((64, 4), "float32")
+        model = _small_dense()
+        callback = testing.SimulatedOutOfMemory(point)
+        run = {
+            "evaluate": lambda: model.evaluate(
+                x, x[:, :1], batch_size=16, callbacks=[callback], verbose=0
+            ),
+            "predict": lambda: model.predict(
+                x, batch_size=16, callbacks=[callback], verbose=0
+            ),
+            "fit": lambda: model.fit(
+                x, x[:, :1], batch_size=16, callbacks=[callback], verbose=0
+            ),
+        }[method]
+        with self.assertRaises(tf.errors.ResourceExhaustedError):
+            run()
+        run()  # Once only.
+
+    def test_tfmemsafe_fit_halves_the_batch_at_the_simulated_step(self):
+        x = np.zeros((64, 4), "float32")
+        history = tfmemsafe.fit(
+            _small_dense(),
+            (x, x[:, :1]),
+            batch_size=16,
+            epochs=2,
+            callbacks=[testing.SimulatedOutOfMemory(("train", 1, 2))],
+            memory_estimate=False,
+            verbose=0,
+        )
+        [event] = history.oom_events
+        self.assertEqual((event.epoch, event.step), (1, 2))
+        self.assertEqual(event.batch_size_after, 8)
+
+    @parameterized.named_parameters(
+        ("unknown_phase", ("validate", 0, 1)),
+        ("short", ("train", 1)),
+        ("not_a_tuple", "train"),
+    )
+    def test_bad_point_raises(self, point):
+        with self.assertRaisesRegex(ValueError, r"^Each point must be"):
+            testing.SimulatedOutOfMemory(point)
+
+
+class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(
+        ("conv_net", "conv_net", (24, 24, 3), 16 * 3 * 9 + 16),
+        ("residual_net", "residual_net", (24, 24, 3), 16 * 3 * 9 + 16),
+        ("mlp", "mlp", (256,), 256 * 1024 + 1024),
+        (
+            "accumulating_checkpointed_net",
+            "accumulating_checkpointed_net",
+            (24, 24, 3),
+            16 * 3 * 9 + 16,
+        ),
+    )
+    def test_reference_model_is_seeded_and_compiled(
+        self, name, shape, first_layer_parameters
+    ):
+        model = testing.reference_model(name)
+        again = testing.reference_model(name)
+        self.assertEqual(model.input_shape, (None, *shape))
+        self.assertEqual(model.output_shape, (None, 4))
+        self.assertEqual(
+            int(np.prod(model.weights[0].shape))
+            + int(np.prod(model.weights[1].shape)),
+            first_layer_parameters,
+        )
+        self.assertIsInstance(model.optimizer, keras.optimizers.Adam)
+        self.assertAllClose(float(model.optimizer.learning_rate), 3e-3)
+        for a, b in zip(model.weights, again.weights, strict=True):
+            self.assertAllEqual(a, b)
+        self.assertEqual(
+            name == "accumulating_checkpointed_net",
+            isinstance(model, tfmemsafe.AccumulatingModel),
+        )
+
+    def test_reference_model_takes_a_shape_and_metrics(self):
+        model = testing.reference_model("conv_net", (32, 32, 3), metrics=None)
+        self.assertEqual(model.input_shape, (None, 32, 32, 3))
+        x, y = testing.random_images(8, classes=4)
+        logs = model.evaluate(x, y, verbose=0, return_dict=True)
+        self.assertEqual(list(logs), ["loss"])
+
+    def test_unknown_reference_model_raises(self):
+        with self.assertRaisesRegex(ValueError, r"^`name` must be one of"):
+            testing.reference_model("transformer")
+
+    def test_random_data_repeats_few_labelled_rows(self):
+        data = testing.random_data((3,), rows=4)
+        x, y = next(iter(data(8)))
+        self.assertEqual(x.shape, (8, 3))
+        self.assertAllEqual(x[:4], x[4:])
+        self.assertAllEqual(y, tf.cast(x[:, 0] > 0, tf.int32))
+        again, _ = next(iter(testing.random_data((3,), rows=4)(4)))
+        self.assertAllEqual(x[:4], again)
+
+    def test_random_images_are_seeded_uniform_images(self):
+        x, y = testing.random_images(16, size=8, classes=4)
+        self.assertEqual((x.shape, x.dtype), ((16, 8, 8, 3), np.float32))
+        self.assertTrue(((x >= 0) & (x < 1)).all())
+        self.assertTrue(((y >= 0) & (y < 4)).all())
+        rng = np.random.default_rng(0)
+        self.assertAllEqual(x, rng.random((16, 8, 8, 3), dtype=np.float32))
+        self.assertAllEqual(y, rng.integers(0, 4, 16))
+
+    def test_training_peak_bytes_reads_the_peak_or_none_on_oom(self):
+        result = testing.run_with_memory_cap(_peaks_under_cap, 250)
+        self.assertGreater(result["small"], 0)
+        self.assertLess(result["small"], 250 * 1024 * 1024)
+        self.assertIsNone(result["too_large"])
+        self.assertTrue(result["fresh_train_function"])
+
+
+def _peaks_under_cap():
+    model = testing.reference_model("mlp")
+    data = testing.random_data((256,))
+    small = testing.training_peak_bytes(model, data, 64)
+    fresh = model.train_function is None
+    too_large = testing.training_peak_bytes(model, data, 65536)
+    return {
+        "small": small,
+        "too_large": too_large,
+        "fresh_train_function": fresh,
+    }
 
 
 if __name__ == "__main__":

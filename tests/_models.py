@@ -1,0 +1,102 @@
+"""Models and data that several test files build the same way.
+
+Imported as `import _models`: pytest puts this directory on `sys.path`, and
+the child processes that `tfmemsafe.testing` starts inherit it, so the
+scenarios they run can use these too. Networks and data that benchmarks
+share as well live in `tfmemsafe.testing`.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfmemsafe
+from tfmemsafe import testing
+
+
+def dense_model(optimizer=None, seed=0, accumulation_steps=None):
+    """A 4 -> 8 (ReLU) -> 1 regression MLP, compiled with MSE.
+
+    With `accumulation_steps`, wrapped by `with_gradient_accumulation`
+    before it is compiled. The optimizer defaults to `Adam(1e-2)`.
+    """
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    if accumulation_steps is not None:
+        model = tfmemsafe.with_gradient_accumulation(model, accumulation_steps)
+    model.compile(optimizer or keras.optimizers.Adam(1e-2), "mse")
+    return model
+
+
+def table(rows=256, ids=False):
+    """Normal features (seed 1) of 4 columns, and their sum as the target.
+
+    With `ids`, the inputs are `(x, ids)`, each row's index beside it.
+    """
+    x = np.random.default_rng(1).normal(size=(rows, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    if ids:
+        return (x, np.arange(rows, dtype="int32")), y
+    return x, y
+
+
+def data_of_kind(kind, inputs, y):
+    """The same rows as one of the data kinds `tfmemsafe.fit` accepts."""
+    dataset = tf.data.Dataset.from_tensor_slices((inputs, y))
+    return {
+        "arrays": (inputs, y),
+        "unbatched_dataset": dataset,
+        "batched_dataset": dataset.batch(32),
+        "callable": lambda batch_size: dataset.batch(batch_size),
+    }[kind]
+
+
+def worker_conv_net():
+    """A 32x32 conv net for 10 classes, as an `AccumulatingModel`.
+
+    Build it in the strategy's scope. Seeded with 1; one convolution of 32
+    channels, global pooling, compiled with Adam.
+    """
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((32, 32, 3))
+    hidden = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    model = tfmemsafe.AccumulatingModel(inputs, keras.layers.Dense(10)(hidden))
+    model.compile(
+        "adam",
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def worker_images():
+    """The 128 images and labels `worker_conv_net` trains on."""
+    return testing.random_images(128)
+
+
+_HOG = []  # What the memory hog holds on to, for the life of the worker.
+
+
+class MemoryHog(keras.callbacks.Callback):
+    """Fills `megabytes` of worker 1's memory when epoch 1 begins.
+
+    The memory is kept for the life of the process. `begun` lists the
+    epochs begun, on every worker.
+    """
+
+    def __init__(self, megabytes, worker_index):
+        super().__init__()
+        self.megabytes = megabytes
+        self.worker_index = worker_index
+        self.begun = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begun.append(epoch)
+        if self.megabytes and self.worker_index == 1 and epoch == 1:
+            _HOG.append(tf.ones((self.megabytes * 2**18,), tf.float32))
