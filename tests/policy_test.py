@@ -6,8 +6,8 @@ import io
 import re
 from unittest import mock
 
+import _models
 import keras
-import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -17,30 +17,6 @@ from tfmemsafe import testing
 from tfmemsafe._sources import source_for
 from tfmemsafe.recovery import _planner
 from tfmemsafe.recovery import _policy
-
-
-def _dense_model(seed=0, accumulation_steps=None):
-    keras.utils.set_random_seed(seed)
-    layers = [
-        keras.Input((4,)),
-        keras.layers.Dense(8, activation="relu"),
-        keras.layers.Dense(1),
-    ]
-    if accumulation_steps is None:
-        model = keras.Sequential(layers)
-    else:
-        inputs = layers[0]
-        outputs = layers[2](layers[1](inputs))
-        model = tfmemsafe.AccumulatingModel(
-            inputs, outputs, accumulation_steps=accumulation_steps
-        )
-    model.compile(keras.optimizers.Adam(1e-2), "mse")
-    return model
-
-
-def _table(rows=256):
-    x = np.random.default_rng(1).normal(size=(rows, 4)).astype("float32")
-    return x, x.sum(axis=1, keepdims=True)
 
 
 def _oom(point):
@@ -64,7 +40,7 @@ class _Planner:
 class SizePolicyTest(tf.test.TestCase):
     def test_validation_follows_training_until_it_fails_itself(self):
         policy = _policy.SizePolicy(
-            _dense_model(),
+            _models.dense_model(),
             {"training": 64, "validation": None},
             min_batch_size=1,
             max_retries=None,
@@ -79,7 +55,7 @@ class SizePolicyTest(tf.test.TestCase):
 
     def test_phases_share_one_retry_budget(self):
         policy = _policy.SizePolicy(
-            _dense_model(),
+            _models.dense_model(),
             {"training": 64, "validation": 64},
             min_batch_size=1,
             max_retries=2,
@@ -97,7 +73,7 @@ class SizePolicyTest(tf.test.TestCase):
         )
 
     def test_the_jump_is_one_decision_at_the_final_size(self):
-        model = _dense_model()
+        model = _models.dense_model()
         policy = _policy.SizePolicy(
             model, {"training": 4096}, min_batch_size=1, max_retries=None
         )
@@ -116,7 +92,7 @@ class SizePolicyTest(tf.test.TestCase):
         self.assertEqual(policy.retries, 1)
 
     def test_accumulation_steps_keep_the_effective_batch(self):
-        model = _dense_model(accumulation_steps=2)
+        model = _models.dense_model(accumulation_steps=2)
         policy = _policy.SizePolicy(
             model, {"training": 256}, min_batch_size=1, max_retries=None
         )
@@ -134,7 +110,7 @@ class SizePolicyTest(tf.test.TestCase):
         self.assertEqual(decision.effective_batch, "")
 
     def test_preflight_replaces_the_size_asked_for(self):
-        model = _dense_model(accumulation_steps=1)
+        model = _models.dense_model(accumulation_steps=1)
         policy = _policy.SizePolicy(
             model, {"training": 1024}, min_batch_size=1, max_retries=0
         )
@@ -150,7 +126,7 @@ class SizePolicyTest(tf.test.TestCase):
 
     def test_halving_stops_at_a_replica_per_sample_floor(self):
         policy = _policy.SizePolicy(
-            _dense_model(),
+            _models.dense_model(),
             {"evaluation": 3},
             min_batch_size=3,
             max_retries=None,
@@ -168,8 +144,8 @@ class PlannerFactsTest(tf.test.TestCase):
         return _planner.SizePlanner(model, "test", memory_estimate=False)
 
     def test_a_size_that_trained_is_not_halved(self):
-        model = _dense_model()
-        source = source_for(_table(), "data", labelled=True)
+        model = _models.dense_model()
+        source = source_for(_models.table(), "data", labelled=True)
         planner = self._planner(model)
         planner.record_trained("training", source, 448)
         self.assertEqual(
@@ -178,8 +154,8 @@ class PlannerFactsTest(tf.test.TestCase):
         )
 
     def test_facts_hold_for_every_source_of_the_same_shape(self):
-        model = _dense_model()
-        x, y = _table()
+        model = _models.dense_model()
+        x, y = _models.table()
         first = source_for((x, y), "data", labelled=True)
         second = source_for(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
@@ -194,8 +170,8 @@ class PlannerFactsTest(tf.test.TestCase):
         self.assertIn("batch size 512 ran out of memory", why)
 
     def test_facts_are_per_step_and_per_model(self):
-        model = _dense_model()
-        source = source_for(_table(), "data", labelled=True)
+        model = _models.dense_model()
+        source = source_for(_models.table(), "data", labelled=True)
         self._planner(model).record_ran_out("training", source, 64)
         self.assertEqual(
             self._planner(model).halvings(
@@ -204,15 +180,15 @@ class PlannerFactsTest(tf.test.TestCase):
             (0, ""),
         )
         self.assertEqual(
-            self._planner(_dense_model()).halvings(
+            self._planner(_models.dense_model()).halvings(
                 "training", source, 64, 1, largest_probe=32
             ),
             (0, ""),
         )
 
     def test_a_newer_measurement_wins(self):
-        model = _dense_model()
-        source = source_for(_table(), "data", labelled=True)
+        model = _models.dense_model()
+        source = source_for(_models.table(), "data", labelled=True)
         planner = self._planner(model)
         planner.record_trained("training", source, 256)
         planner.record_ran_out("training", source, 256)
@@ -253,26 +229,23 @@ class PeakWindowTest(tf.test.TestCase):
         self.assertEqual(memory.usable_bytes(200), 180)
 
 
-class _RaiseOutOfMemory(keras.callbacks.Callback):
-    """Raises a `ResourceExhaustedError` once at each `(epoch, step)`,
-    after allocating `hold_mb` so that the failed step has a peak."""
+class _HoldAt(keras.callbacks.Callback):
+    """Allocates `megabytes` for a moment before the step `(epoch, step)`,
+    so that the step (failing right after) has that peak."""
 
-    def __init__(self, *points, hold_mb=0):
+    def __init__(self, epoch, step, megabytes):
         super().__init__()
-        self.points = set(points)
-        self.hold_mb = hold_mb
+        self.point = (epoch, step)
+        self.megabytes = megabytes
         self.epoch = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        point = (self.epoch, batch)
-        if point in self.points:
-            self.points.discard(point)
-            held = tf.ones((self.hold_mb, 256, 1024)) if self.hold_mb else 0
+        if (self.epoch, batch) == self.point:
+            held = tf.ones((self.megabytes, 256, 1024))
             del held
-            raise _oom(point)
 
 
 class _EpochBegins(keras.callbacks.Callback):
@@ -289,12 +262,15 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
     def test_callbacks_see_a_resumed_epoch_begin_once(self, step):
         begins = _EpochBegins()
         history = tfmemsafe.fit(
-            _dense_model(),
-            _table(),
+            _models.dense_model(),
+            _models.table(),
             batch_size=32,
             epochs=2,
             shuffle=False,
-            callbacks=[_RaiseOutOfMemory((1, step)), begins],
+            callbacks=[
+                testing.SimulatedOutOfMemory(("train", 1, step)),
+                begins,
+            ],
             verbose=0,
         )
         self.assertEqual(history.oom_events[0].resumed_at_step, step)
@@ -305,12 +281,12 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             tfmemsafe.fit(
-                _dense_model(),
-                _table(),
+                _models.dense_model(),
+                _models.table(),
                 batch_size=32,
                 epochs=1,
                 shuffle=False,
-                callbacks=[_RaiseOutOfMemory((0, 3))],
+                callbacks=[testing.SimulatedOutOfMemory(("train", 0, 3))],
                 verbose=1,
             )
         text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # Colours.
@@ -324,13 +300,13 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
     def test_one_log_line_says_the_size_training_goes_on_with(self):
         with self.assertLogs(level="WARNING") as logs:
             history = tfmemsafe.fit(
-                _dense_model(),
-                _table(),
+                _models.dense_model(),
+                _models.table(),
                 batch_size=64,
                 epochs=1,
                 shuffle=False,
                 memory_estimate=False,
-                callbacks=[_RaiseOutOfMemory((0, 1))],
+                callbacks=[testing.SimulatedOutOfMemory(("train", 0, 1))],
                 verbose=0,
             )
         lines = [
@@ -349,14 +325,18 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
             self.skipTest("CPU:0 keeps no allocator statistics here.")
         monitor = tfmemsafe.MemoryMonitor(devices="CPU:0")
         history = tfmemsafe.fit(
-            _dense_model(),
-            _table(),
+            _models.dense_model(),
+            _models.table(),
             batch_size=32,
             epochs=2,
             shuffle=False,
             # The failed step held 64 MiB; estimating after it runs
             # probes of a few MiB, which reset the allocator's peak.
-            callbacks=[monitor, _RaiseOutOfMemory((0, 2), hold_mb=64)],
+            callbacks=[
+                monitor,
+                _HoldAt(0, 2, megabytes=64),
+                testing.SimulatedOutOfMemory(("train", 0, 2)),
+            ],
             verbose=0,
         )
         peaks = history.history["memory_peak_mb"]
@@ -364,7 +344,7 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLess(peaks[1], 64.0)
 
     def test_arrays_of_different_lengths_are_refused_as_keras_does(self):
-        x, y = _table()
+        x, y = _models.table()
         with self.assertRaisesRegex(
             ValueError,
             "Data cardinality is ambiguous: the arrays of `data` must all "
@@ -372,7 +352,7 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
             "sizes: 200",
         ):
             tfmemsafe.fit(
-                _dense_model(), (x, y[:200]), batch_size=32, shuffle=True
+                _models.dense_model(), (x, y[:200]), batch_size=32, shuffle=True
             )
 
 
@@ -400,7 +380,7 @@ def _jump_with_a_pinned_estimate(replicas=1):
         else tf.distribute.get_strategy()
     )
     with strategy.scope():
-        model = _dense_model(accumulation_steps=1)
+        model = _models.dense_model(accumulation_steps=1)
     with mock.patch.object(
         _planner.estimate_lib,
         "estimate_source",
@@ -408,11 +388,11 @@ def _jump_with_a_pinned_estimate(replicas=1):
     ):
         history = tfmemsafe.fit(
             model,
-            _table(512),
+            _models.table(512),
             batch_size=256,
             preflight=False,
             shuffle=False,
-            callbacks=[_RaiseOutOfMemory((0, 1))],
+            callbacks=[testing.SimulatedOutOfMemory(("train", 0, 1))],
             verbose=0,
         )
     return {
@@ -452,8 +432,8 @@ class MeasuredBeatsPredictedTest(tf.test.TestCase):
             per_sample_bytes=2**20,
             measurements=((8, 2 * 2**30), (16, 2 * 2**30 + 2**23)),
         )
-        model = _dense_model()
-        data = _table()
+        model = _models.dense_model()
+        data = _models.table()
         with mock.patch.object(
             _planner.estimate_lib, "estimate_source", return_value=pessimistic
         ):
@@ -481,36 +461,14 @@ class MeasuredBeatsPredictedTest(tf.test.TestCase):
 
 
 def _find_then_fit():
-    import numpy as np  # noqa: F401  (the child's own imports)
-
-    import tfmemsafe as tms
-
-    keras.utils.set_random_seed(0)
-    x = np.random.default_rng(0).random((1024, 32, 32, 3), "float32")
-    y = np.random.default_rng(1).integers(0, 10, 1024)
-
-    def model():
-        keras.utils.set_random_seed(0)
-        net = keras.Sequential(
-            [
-                keras.Input((32, 32, 3)),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.GlobalAveragePooling2D(),
-                keras.layers.Dense(10),
-            ]
-        )
-        net.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
-        return net
-
-    net = model()
-    found = tms.find_max_batch_size(net, (x, y), max_batch_size=512)
-    history = tms.fit(net, (x, y), batch_size=found, epochs=1, verbose=0)
-    validated = tms.fit(
-        net,
+    x, y = testing.random_images(1024)
+    model = testing.reference_model("conv_net", (32, 32, 3))
+    found = tfmemsafe.find_max_batch_size(model, (x, y), max_batch_size=512)
+    history = tfmemsafe.fit(model, (x, y), batch_size=found, verbose=0)
+    validated = tfmemsafe.fit(
+        model,
         (x, y),
         batch_size=found,
-        epochs=1,
         validation_data=(x[:256], y[:256]),
         verbose=0,
     )
