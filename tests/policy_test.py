@@ -461,7 +461,7 @@ class MeasuredBeatsPredictedTest(tf.test.TestCase):
 
 
 def _find_then_fit():
-    x, y = testing.random_images(1024)
+    x, y = testing.random_images(1024, classes=4)  # The net's 4 outputs.
     model = testing.reference_model("conv_net", (32, 32, 3))
     found = tfmemsafe.find_max_batch_size(model, (x, y), max_batch_size=512)
     history = tfmemsafe.fit(model, (x, y), batch_size=found, verbose=0)
