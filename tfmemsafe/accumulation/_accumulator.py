@@ -14,7 +14,7 @@ import functools
 import tensorflow as tf
 
 from tfmemsafe import _checks
-from tfmemsafe.accumulation import _window
+from tfmemsafe.accumulation import _window as window_lib
 
 
 class GradientAccumulator:
@@ -156,7 +156,7 @@ class GradientAccumulator:
 
     def _create_variables(self, variables):
         with tf.name_scope(self.name):
-            self._window = _window.Window(variables)
+            self._window = window_lib.Window(variables)
             if not self.built:  # Counts for the accumulator's lifetime.
                 self._skipped_windows = tf.Variable(
                     tf.constant(0, tf.int64),
@@ -288,7 +288,7 @@ class GradientAccumulator:
         return tf.cond(
             ready,
             functools.partial(
-                _window.apply_across_replicas,
+                window_lib.apply_across_replicas,
                 strategy,
                 self._window,
                 optimizer,

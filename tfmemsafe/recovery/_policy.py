@@ -111,6 +111,8 @@ class SizePolicy:
         self.retries = 0
         self.keep_effective_batch_size = keep_effective_batch_size
         self._steps_asked = accumulation_steps_of(model)
+        # A model without `accumulation_steps` is told so once a call.
+        self._said_no_accumulation = False
         replicas = model.distribute_strategy.num_replicas_in_sync
         self.floor = max(min_batch_size, replicas)
         self.follows_training = (
@@ -162,7 +164,7 @@ class SizePolicy:
             self.retries += 1
             steps = self._accumulation_steps()
             self._shrink(phase, 1, new_size=True)
-            return self._decision(phase, size, steps)
+            return self._decision(phase, size, steps, final=False)
         raise OutOfMemoryError(
             f"Could not fit a {phase} batch of {size} after trying "
             f"{_messages.format_sizes(sizes.tried)}, and {reason}. "
@@ -178,8 +180,7 @@ class SizePolicy:
         halvings, predicted = planner.halvings(
             phase, source, size, self.floor, largest_probe=size
         )
-        if not self._shrink(phase, halvings, new_size=False):
-            return decision
+        self._shrink(phase, halvings, new_size=False)
         return self._decision(
             phase,
             decision.batch_size_before,
@@ -246,8 +247,14 @@ class SizePolicy:
         return done
 
     def _decision(
-        self, phase, before, steps_before, predicted=""
+        self, phase, before, steps_before, predicted="", *, final=True
     ) -> SizeDecision:
+        """The change from `before` to the current size. What each update
+        averages is said only in a `final` decision (a halving is not:
+        the jump may take it further)."""
+        note = ""
+        if phase == TRAINING and final:
+            note = self._effective_batch_note()
         return SizeDecision(
             phase=phase,
             batch_size_before=before,
@@ -255,9 +262,7 @@ class SizePolicy:
             accumulation_steps_before=steps_before,
             accumulation_steps_after=self._accumulation_steps(),
             predicted=predicted,
-            effective_batch=(
-                self._effective_batch_note() if phase == TRAINING else ""
-            ),
+            effective_batch=note,
         )
 
     def _effective_batch_note(self) -> str:
@@ -268,6 +273,9 @@ class SizePolicy:
         if now == asked:
             return ""
         if steps is None:
+            if self._said_no_accumulation:
+                return ""
+            self._said_no_accumulation = True
             return (
                 f"Each update now averages {now} samples instead of "
                 f"{asked}: {self.model.name} has no `accumulation_steps` "
