@@ -1,10 +1,13 @@
-"""Models and data that several test files build the same way.
+"""Models, data and runs that several test files build the same way.
 
 Imported as `import _models`: pytest puts this directory on `sys.path`, and
 the child processes that `tfmemsafe.testing` starts inherit it, so the
 scenarios they run can use these too. Networks and data that benchmarks
 share as well live in `tfmemsafe.testing`.
 """
+
+import contextlib
+from unittest import mock
 
 import keras
 import numpy as np
@@ -100,3 +103,31 @@ class MemoryHog(keras.callbacks.Callback):
         self.begun.append(epoch)
         if self.megabytes and self.worker_index == 1 and epoch == 1:
             _HOG.append(tf.ones((self.megabytes * 2**18,), tf.float32))
+
+
+def fit_running_out(model, *points, callbacks=(), **kwargs):
+    """`tfmemsafe.fit` on `table()` at batch 32, running out at `points`
+    (`testing.SimulatedOutOfMemory`'s `(phase, epoch, step)`)."""
+    return tfmemsafe.fit(
+        model,
+        table(),
+        batch_size=32,
+        callbacks=[testing.SimulatedOutOfMemory(*points), *callbacks],
+        verbose=0,
+        **kwargs,
+    )
+
+
+def machine_memory(num_bytes):
+    """Patches the machine's memory where `memory` and `runtime` read it."""
+    from tfmemsafe import memory
+    from tfmemsafe.memory import _info
+
+    stack = contextlib.ExitStack()
+    for module in (memory, _info):
+        stack.enter_context(
+            mock.patch.object(
+                module, "machine_memory_bytes", return_value=num_bytes
+            )
+        )
+    return stack

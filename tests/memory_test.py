@@ -1,9 +1,9 @@
 """Tests for tfmemsafe.memory: readings, limits and OOM detection."""
 
-import contextlib
 import os
 from unittest import mock
 
+import _models
 import keras
 import numpy as np
 import tensorflow as tf
@@ -12,7 +12,6 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import memory
 from tfmemsafe import testing
-from tfmemsafe.memory import _info as memory_info_module
 
 _MB = 1024 * 1024
 
@@ -21,18 +20,6 @@ def _cpu_limit_under_cap():
     import tfmemsafe
 
     return tfmemsafe.memory_info("CPU:0").limit_bytes
-
-
-def _machine_memory(num_bytes):
-    """Patches the machine's memory where `memory` and `runtime` read it."""
-    stack = contextlib.ExitStack()
-    for module in (memory, memory_info_module):
-        stack.enter_context(
-            mock.patch.object(
-                module, "machine_memory_bytes", return_value=num_bytes
-            )
-        )
-    return stack
 
 
 class MemoryInfoTest(parameterized.TestCase, tf.test.TestCase):
@@ -688,7 +675,7 @@ class CpuLimitTest(tf.test.TestCase):
     def _limit(self, environment, machine_bytes):
         with (
             mock.patch.dict(os.environ, environment),
-            _machine_memory(machine_bytes),
+            _models.machine_memory(machine_bytes),
         ):
             return memory.memory_info("CPU:0").limit_bytes
 

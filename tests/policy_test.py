@@ -230,8 +230,8 @@ class PeakWindowTest(tf.test.TestCase):
 
 
 class _HoldAt(keras.callbacks.Callback):
-    """Allocates `megabytes` for a moment before the step `(epoch, step)`,
-    so that the step (failing right after) has that peak."""
+    """Allocates `megabytes` for a moment after step `(epoch, step)`, so
+    that the epoch's peak holds them."""
 
     def __init__(self, epoch, step, megabytes):
         super().__init__()
@@ -242,7 +242,7 @@ class _HoldAt(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_end(self, batch, logs=None):
         if (self.epoch, batch) == self.point:
             held = tf.ones((self.megabytes, 256, 1024))
             del held
@@ -261,17 +261,12 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(("first_step", 0), ("later_step", 3))
     def test_callbacks_see_a_resumed_epoch_begin_once(self, step):
         begins = _EpochBegins()
-        history = tfmemsafe.fit(
+        history = _models.fit_running_out(
             _models.dense_model(),
-            _models.table(),
-            batch_size=32,
+            ("train", 1, step),
+            callbacks=[begins],
             epochs=2,
             shuffle=False,
-            callbacks=[
-                testing.SimulatedOutOfMemory(("train", 1, step)),
-                begins,
-            ],
-            verbose=0,
         )
         self.assertEqual(history.oom_events[0].resumed_at_step, step)
         self.assertEqual(begins.begins, [0, 1])
@@ -324,20 +319,14 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
         if memory.memory_info("CPU:0").peak_bytes is None:
             self.skipTest("CPU:0 keeps no allocator statistics here.")
         monitor = tfmemsafe.MemoryMonitor(devices="CPU:0")
-        history = tfmemsafe.fit(
+        # The epoch held 64 MiB before its step 2 ran out; estimating
+        # after that runs probes of a few MiB, which reset the peak.
+        history = _models.fit_running_out(
             _models.dense_model(),
-            _models.table(),
-            batch_size=32,
+            ("train", 0, 2),
+            callbacks=[monitor, _HoldAt(0, 1, megabytes=64)],
             epochs=2,
             shuffle=False,
-            # The failed step held 64 MiB; estimating after it runs
-            # probes of a few MiB, which reset the allocator's peak.
-            callbacks=[
-                monitor,
-                _HoldAt(0, 2, megabytes=64),
-                testing.SimulatedOutOfMemory(("train", 0, 2)),
-            ],
-            verbose=0,
         )
         peaks = history.history["memory_peak_mb"]
         self.assertGreaterEqual(peaks[0], 64.0)

@@ -436,18 +436,6 @@ _KINDS = (
 )
 
 
-def _fit_running_out(model, *points, callbacks=(), **kwargs):
-    """`tfmemsafe.fit` on the table at batch 32, running out at `points`."""
-    return tfmemsafe.fit(
-        model,
-        _models.table(),
-        batch_size=32,
-        callbacks=[testing.SimulatedOutOfMemory(*points), *callbacks],
-        verbose=0,
-        **kwargs,
-    )
-
-
 class FitTest(parameterized.TestCase, tf.test.TestCase):
     def assertSameState(self, model, reference):
         self.assertEqual(
@@ -494,7 +482,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             )
 
         model = _models.dense_model(optimizer())
-        _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
+        _models.fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
         reference = _models.dense_model(optimizer())
         # Resumed at the failed step 3 of epoch 1.
         _fit_epochs(reference, x, y, [32, (32, 3, 16), 16])
@@ -503,7 +491,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
     def test_resumed_epoch_restores_optimizers_held_as_attributes(self):
         x, y = _models.table()
         model = _two_optimizers()
-        _fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
+        _models.fit_running_out(model, ("train", 1, 3), epochs=3, shuffle=False)
         reference = _two_optimizers()
         # Resumed at the failed step 3 of epoch 1.
         _fit_epochs(reference, x, y, [32, (32, 3, 16), 16])
@@ -540,7 +528,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             )
 
         model = accumulating(2)
-        history = _fit_running_out(
+        history = _models.fit_running_out(
             model, ("train", 1, 3), epochs=3, shuffle=False
         )
         [event] = history.oom_events
@@ -553,7 +541,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertSameState(model, reference)
 
     def test_validation_failure_halves_only_the_validation_batch(self):
-        history = _fit_running_out(
+        history = _models.fit_running_out(
             _models.dense_model(),
             ("test", 0, 1),
             epochs=2,
@@ -571,7 +559,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         # The loss never improves by 100, so patience 2 stops after epoch
         # 2. Were `on_train_begin` called again on the retry at epoch 2,
         # the count would restart and training would go on to epoch 4.
-        history = _fit_running_out(
+        history = _models.fit_running_out(
             _models.dense_model(),
             ("train", 2, 0),
             epochs=8,
@@ -583,7 +571,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_memory_monitor_records_every_attempt_as_one_run(self):
         monitor = tfmemsafe.MemoryMonitor(verbose=0)
-        history = _fit_running_out(
+        history = _models.fit_running_out(
             _models.dense_model(),
             ("train", 1, 2),
             epochs=3,
@@ -597,7 +585,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_history_forgets_an_epoch_that_failed_after_it_was_recorded(self):
         history = keras.callbacks.History()
-        returned = _fit_running_out(
+        returned = _models.fit_running_out(
             _models.dense_model(),
             ("epoch_end", 1, None),
             epochs=3,
@@ -662,7 +650,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_plain_model_warns_once_that_the_effective_batch_changes(self):
         with self.assertLogs(level="WARNING") as logs:
-            history = _fit_running_out(
+            history = _models.fit_running_out(
                 _models.dense_model(),
                 ("train", 0, 0),
                 ("train", 1, 0),
@@ -679,7 +667,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             r"^Could not fit a training batch of 16 after trying 32, 16, and "
             r"`max_retries` is used up",
         ) as caught:
-            _fit_running_out(
+            _models.fit_running_out(
                 _models.dense_model(),
                 ("train", 0, 0),
                 ("train", 0, 1),

@@ -1,9 +1,9 @@
 """Tests for tfmemsafe.runtime: configuration at import and by hand."""
 
-import contextlib
 import os
 from unittest import mock
 
+import _models
 import import_order_children
 import runtime_children
 import tensorflow as tf
@@ -12,7 +12,6 @@ from absl.testing import parameterized
 from tfmemsafe import memory
 from tfmemsafe import runtime
 from tfmemsafe import testing
-from tfmemsafe.memory import _info as memory_info_module
 
 _MB = 1024 * 1024
 
@@ -42,18 +41,6 @@ def _in_child(target, onednn, env=(), **kwargs):
     return testing.run_in_subprocess(
         target, kwargs=kwargs, env=env, timeout=120
     )
-
-
-def _machine_memory(num_bytes):
-    """Patches the machine's memory where `memory` and `runtime` read it."""
-    stack = contextlib.ExitStack()
-    for module in (memory, memory_info_module):
-        stack.enter_context(
-            mock.patch.object(
-                module, "machine_memory_bytes", return_value=num_bytes
-            )
-        )
-    return stack
 
 
 class _FakeGpu:
@@ -221,7 +208,7 @@ class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
             mock.patch.object(
                 runtime, "_cpu_device_exists", return_value=False
             ),
-            _machine_memory(128 * 1024 * _MB),
+            _models.machine_memory(128 * 1024 * _MB),
         ):
             allocator, reason = runtime._set_cpu_allocator(True, [])
             self.assertEqual(
@@ -242,7 +229,7 @@ class CpuAllocatorTest(parameterized.TestCase, tf.test.TestCase):
             mock.patch.object(
                 runtime, "_cpu_device_exists", return_value=False
             ),
-            _machine_memory(16 * 1024 * _MB),
+            _models.machine_memory(16 * 1024 * _MB),
         ):
             os.environ.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
             runtime._set_cpu_allocator(True, [])
