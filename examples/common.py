@@ -14,13 +14,16 @@ import os
 import sys
 import time
 
+# First, before TensorFlow: it keeps TensorFlow's allocator dump out of the
+# output (docs/runtime.md).
+import tfmemsafe  # isort: skip
+
 import keras
 import tensorflow as tf
 from absl import app
 from absl import flags
 from absl import logging
 
-import tfmemsafe
 from tfmemsafe import runtime
 
 DATASET = flags.DEFINE_enum(

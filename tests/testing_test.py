@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+from unittest import mock
 
 import keras
 import numpy as np
@@ -72,6 +73,18 @@ def _raise_value_error():
 
 
 class MemoryCapTest(parameterized.TestCase, tf.test.TestCase):
+    def test_capped_children_keep_the_allocator_dump_out_unless_asked(self):
+        unset = {
+            k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"
+        }
+        with mock.patch.dict(os.environ, unset, clear=True):
+            quiet = testing.memory_cap_environment(100)
+        with mock.patch.dict(os.environ, {"TF_CPP_MIN_LOG_LEVEL": "0"}):
+            chosen = testing.memory_cap_environment(100)
+        self.assertEqual(quiet["TF_CPP_MIN_LOG_LEVEL"], "1")
+        self.assertNotIn("TF_CPP_MIN_LOG_LEVEL", chosen)
+        self.assertEqual(chosen["TF_CPU_BFC_MEM_LIMIT_IN_MB"], "100")
+
     def test_real_oom_is_raised_back_and_classified(self):
         with self.assertRaisesRegex(
             testing.SubprocessError, r"raised ResourceExhaustedError: .*OOM"

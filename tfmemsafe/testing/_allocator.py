@@ -66,16 +66,22 @@ def memory_cap_environment(cap_mb: int) -> dict[str, str]:
     the allocator refuse allocations past the cap with a real
     `ResourceExhaustedError`; `TF_ENABLE_ONEDNN_OPTS=0` because TF 2.21's
     oneDNN kernels crash after such an error; `CUDA_VISIBLE_DEVICES=""`
-    so the work runs on the capped CPU. These must be set before
-    TensorFlow is imported.
+    so the work runs on the capped CPU; and, unless this process has it
+    set, `TF_CPP_MIN_LOG_LEVEL=1`, which keeps TensorFlow's allocator dump
+    (about 1,900 INFO lines per failed allocation) out of the child's
+    output while its one-line WARNING, which `AllocatorFailures` counts,
+    stays. These must be set before TensorFlow is imported.
     """
     cap_mb = _checks.integer("cap_mb", cap_mb, 1)
-    return {
+    environment = {
         "TF_CPU_ALLOCATOR_USE_BFC": "true",
         "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
         "TF_ENABLE_ONEDNN_OPTS": "0",
         "CUDA_VISIBLE_DEVICES": "",
     }
+    if not os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip():
+        environment["TF_CPP_MIN_LOG_LEVEL"] = "1"
+    return environment
 
 
 def training_peak_bytes(
