@@ -51,10 +51,6 @@ class SizeDecision:
     predicted: str = ""
     effective_batch: str = ""
 
-    @property
-    def changed(self) -> bool:
-        return self.batch_size_after != self.batch_size_before
-
     def describe(self) -> str:
         """`"batch size 4096 -> 512 with accumulation steps 8"`, and why."""
         text = f"batch size {self.batch_size_before} -> {self.batch_size_after}"
