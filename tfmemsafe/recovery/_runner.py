@@ -11,7 +11,6 @@ batch size. The sizes are the `SizePolicy`'s, where to go on is
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 from absl import logging
@@ -37,10 +36,8 @@ from tfmemsafe.recovery._resume import ResumePoint
 from tfmemsafe.recovery._resume import forget_epoch
 from tfmemsafe.recovery._retry import release
 from tfmemsafe.recovery._retry import retry_on_oom
+from tfmemsafe.recovery._settings import FitSettings
 from tfmemsafe.recovery._step_guard import StepGuard
-
-if TYPE_CHECKING:  # `_fit` builds the run, so imports this module.
-    from tfmemsafe.recovery._fit import FitSettings
 
 
 @dataclasses.dataclass(frozen=True)
