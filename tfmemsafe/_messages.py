@@ -16,6 +16,11 @@ OOM_ADVICE = (
 _MAX_LINE = 300
 
 
+def mib(num_bytes: float) -> str:
+    """Formats bytes as `"812.3 MiB"`."""
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
 def format_sizes(sizes: Iterable[int]) -> str:
     """Formats batch sizes as `"256, 128, 64"`."""
     return ", ".join(str(size) for size in sizes)

@@ -20,11 +20,11 @@ from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe import memory
+from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.estimate import _probe
 
-_MIB = 1024 * 1024
 # A probe is past the floor when it grew the peak over the first probe's
 # by at least this share of what the largest probe grew it.
 _PAST_FLOOR = 0.25
@@ -126,18 +126,18 @@ class MemoryEstimate:
         limit = (
             "limit unknown"
             if self.limit_bytes is None
-            else f"limit {_mib(self.limit_bytes)}"
+            else f"limit {mib(self.limit_bytes)}"
         )
         lines = [
             f"MemoryEstimate on {self.device} ({limit})",
-            f"  peak = {_mib(self.fixed_bytes)} + "
+            f"  peak = {mib(self.fixed_bytes)} + "
             f"{self.per_sample_bytes / 1024:.1f} KiB x batch",
             f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
         ]
         for size, peak in self.measurements:
             predicted = self.peak_bytes(size)
             lines.append(
-                f"  {size:>8}  {_mib(peak):>12}  {_mib(predicted):>12}  "
+                f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
                 f"{100 * (predicted - peak) / peak:+.1f}%"
             )
         if self.limit_bytes is not None:
@@ -265,7 +265,7 @@ def estimate_source(
     if per_sample <= 0:
         raise MemoryEstimateError(
             "Could not estimate memory: the peak did not grow with the batch "
-            f"size (batch sizes {sizes}, peaks {[_mib(p) for p in peaks]}). "
+            f"size (batch sizes {sizes}, peaks {[mib(p) for p in peaks]}). "
             "Pass larger `batch_sizes`."
         )
     # The device whose peak was highest at the largest probe.
@@ -340,7 +340,3 @@ def _check_batch_sizes(batch_sizes, replicas: int) -> list[int]:
             f"Received: batch_sizes={list(batch_sizes)!r}"
         )
     return sorted(sizes)
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / _MIB:.1f} MiB"

@@ -16,11 +16,11 @@ import keras
 from absl import logging
 
 from tfmemsafe import memory
+from tfmemsafe._messages import mib
 from tfmemsafe._model_state import ModelState
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 
-_MIB = 1024 * 1024
 # Training steps per probe: the first step allocates what only it needs
 # (the optimizer's first update, tracing); the second shows the steady one.
 _PROBE_STEPS = 2
@@ -157,7 +157,7 @@ class Probe:
             1,
             "tfmemsafe.estimate_memory: batch %d peaked at %s on %s.",
             batch_size,
-            _mib(peaks[device]),
+            mib(peaks[device]),
             device,
         )
         return batch_size, peaks[device], device
@@ -231,7 +231,3 @@ def check_statistics(devices) -> dict:
             )
         limits[device] = info.limit_bytes
     return limits
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / _MIB:.1f} MiB"

@@ -24,6 +24,7 @@ from absl import logging
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe import memory
+from tfmemsafe._messages import mib
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 
@@ -189,9 +190,9 @@ class SizePlanner:
     def _describe(self, made, batch_size: int) -> str:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
         return (
-            f"peak {_mib(_predicted_peak(made, batch_size))} predicted "
+            f"peak {mib(_predicted_peak(made, batch_size))} predicted "
             f"against {100 * (1 - memory.HEADROOM):.0f}% of "
-            f"{_mib(made.limit_bytes)} on {made.device}"
+            f"{mib(made.limit_bytes)} on {made.device}"
         )
 
     def _key(self, phase: str, source) -> tuple:
@@ -237,7 +238,3 @@ def _largest_predicted(made, headroom: float) -> int:
     while size > 0 and not _predicted_to_fit(made, size, headroom):
         size -= 1
     return max(size, 0)
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:.1f} MiB"
