@@ -312,6 +312,8 @@ class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
             (24, 24, 3),
             16 * 3 * 9 + 16,
         ),
+        ("gru", "gru", (64,), 2000 * 64 + 64 * 3 * 128),
+        ("transformer", "transformer", (64,), 2000 * 64 + 4096 * 64),
     )
     def test_reference_model_is_seeded_and_compiled(
         self, name, shape, first_layer_parameters
@@ -329,6 +331,10 @@ class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
         self.assertAllClose(float(model.optimizer.learning_rate), 3e-3)
         for a, b in zip(model.weights, again.weights, strict=True):
             self.assertAllEqual(a, b)
+        if name in ("gru", "transformer"):  # Token ids, of any length.
+            self.assertEqual(model.inputs[0].dtype, "int32")
+            longer = testing.reference_model(name, (None,))
+            self.assertEqual(longer(np.ones((2, 100), "int32")).shape, (2, 4))
         self.assertEqual(
             name == "accumulating_checkpointed_net",
             isinstance(model, tfmemsafe.AccumulatingModel),
@@ -343,7 +349,7 @@ class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_unknown_reference_model_raises(self):
         with self.assertRaisesRegex(ValueError, r"^`name` must be one of"):
-            testing.reference_model("transformer")
+            testing.reference_model("vision_transformer")
 
     def test_random_data_repeats_few_labelled_rows(self):
         data = testing.random_data((3,), rows=4)
@@ -353,6 +359,14 @@ class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
         self.assertAllEqual(y, tf.cast(x[:, 0] > 0, tf.int32))
         again, _ = next(iter(testing.random_data((3,), rows=4)(4)))
         self.assertAllEqual(x[:4], again)
+
+    def test_random_data_of_tokens_are_ids_labelled_by_parity(self):
+        x, y = next(iter(testing.random_data((16,), rows=4, tokens=True)(4)))
+        self.assertEqual((x.shape, x.dtype), ((4, 16), tf.int32))
+        self.assertTrue(bool(tf.reduce_all((x >= 1) & (x < 2000))))
+        self.assertAllEqual(y, x[:, 0] % 2)
+        model = testing.reference_model("transformer")
+        model.fit(testing.random_data((64,), tokens=True)(8).take(1), verbose=0)
 
     def test_random_images_are_seeded_uniform_images(self):
         x, y = testing.random_images(16, size=8, classes=4)

@@ -18,7 +18,11 @@ _DEFAULT_SHAPES = {
     "residual_net": (24, 24, 3),
     "mlp": (256,),
     "accumulating_checkpointed_net": (24, 24, 3),
+    "gru": (64,),
+    "transformer": (64,),
 }
+# The sequence networks' vocabulary: token ids are in [1, _VOCABULARY).
+_VOCABULARY = 2000
 
 
 def reference_model(
@@ -27,7 +31,7 @@ def reference_model(
     *,
     metrics: Sequence[str] | None = ("accuracy",),
 ) -> keras.Model:
-    """Returns one of four small compiled networks, seeded with 0.
+    """Returns one of six small compiled networks, seeded with 0.
 
     Networks of the shapes whose memory behaves differently, for
     measuring and testing memory on a machine: each classifies into 4
@@ -43,11 +47,19 @@ def reference_model(
     - `"accumulating_checkpointed_net"`: an `AccumulatingModel` (2
       accumulation steps) with a convolution of 16 channels and two
       `Checkpointed` blocks of two more.
+    - `"gru"`: token ids (in `[1, 2000)`, any length) embedded in 64
+      dimensions, a GRU of 128 units, its last state classified.
+    - `"transformer"`: token ids embedded in 64 dimensions plus a learned
+      position (up to 4096), one encoder block (4-head
+      `MultiHeadAttention` of key size 16, a feed-forward layer of 128,
+      layer normalization), average pooling.
 
     Args:
         name: str. One of the names above.
         input_shape: The shape of one sample. Defaults to `(24, 24, 3)`
-            for the image networks and `(256,)` for `"mlp"`.
+            for the image networks, `(256,)` for `"mlp"` and `(64,)`
+            (token ids) for the sequence networks, whose length may be
+            `None` (any length).
         metrics: The metrics to compile with. Defaults to `("accuracy",)`.
 
     Returns:
@@ -129,16 +141,54 @@ def _accumulating_checkpointed_net(shape):
     return AccumulatingModel(inputs, outputs, accumulation_steps=2)
 
 
+def _gru(shape):
+    inputs = keras.Input(shape, dtype="int32")
+    x = keras.layers.Embedding(_VOCABULARY, 64)(inputs)
+    x = keras.layers.GRU(128)(x)
+    return keras.Model(inputs, keras.layers.Dense(4)(x))
+
+
+class _AddPosition(keras.layers.Layer):
+    """Adds a learned embedding of each token's position."""
+
+    def __init__(self, longest, **kwargs):
+        super().__init__(**kwargs)
+        self.longest = longest
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(
+            shape=(self.longest, input_shape[-1]), initializer="uniform"
+        )
+
+    def call(self, x):
+        length = keras.ops.shape(x)[1]
+        return x + self.positions[None, :length]
+
+
+def _transformer(shape):
+    inputs = keras.Input(shape, dtype="int32")
+    x = keras.layers.Embedding(_VOCABULARY, 64)(inputs)
+    x = _AddPosition(4096)(x)
+    attended = keras.layers.MultiHeadAttention(4, 16)(x, x)
+    x = keras.layers.LayerNormalization()(x + attended)
+    fed = keras.layers.Dense(128, activation="relu")(x)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(64)(fed))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(4)(x))
+
+
 _BUILDERS = {
     "conv_net": _conv_net,
     "residual_net": _residual_net,
     "mlp": _mlp,
     "accumulating_checkpointed_net": _accumulating_checkpointed_net,
+    "gru": _gru,
+    "transformer": _transformer,
 }
 
 
 def random_data(
-    input_shape: Sequence[int], rows: int = 256
+    input_shape: Sequence[int], rows: int = 256, *, tokens: bool = False
 ) -> Callable[[int], tf.data.Dataset]:
     """Returns `batch_size -> dataset`: a few random rows, repeated forever.
 
@@ -151,6 +201,10 @@ def random_data(
     Args:
         input_shape: The shape of one sample.
         rows: int. How many distinct rows. Defaults to 256.
+        tokens: bool. Whether the rows are token ids for the sequence
+            networks of `reference_model` (uniform in `[1, 2000)`,
+            labelled by their first id's parity) instead of noise.
+            Defaults to `False`.
 
     Returns:
         A callable from a batch size to an endless `tf.data.Dataset` of
@@ -164,8 +218,13 @@ def random_data(
     """
     rows = _checks.integer("rows", rows, 1)
     shape = tuple(input_shape)
-    x = np.random.default_rng(0).normal(size=(rows, *shape)).astype("float32")
-    y = (x.reshape(rows, -1)[:, 0] > 0).astype("int32")
+    rng = np.random.default_rng(0)
+    if tokens:
+        x = rng.integers(1, _VOCABULARY, (rows, *shape)).astype("int32")
+        y = (x.reshape(rows, -1)[:, 0] % 2).astype("int32")
+    else:
+        x = rng.normal(size=(rows, *shape)).astype("float32")
+        y = (x.reshape(rows, -1)[:, 0] > 0).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
     return lambda batch_size: dataset.batch(batch_size).prefetch(1)
 
