@@ -70,14 +70,13 @@ def architecture_under_cap(name):
     model = testing.reference_model(name, shape)
     data = testing.random_data(shape)
     estimate = tfmemsafe.estimate_memory(model, data)
-    # Trained right after estimating, as `fit` would: an allocator laid out
-    # by larger steps may no longer have room for it.
-    best = estimate.max_batch_size()
-    best_fits = _fits(model, data, best)
     # Four times the largest probe, measured from the first step, as the
-    # estimate's probes are.
+    # estimate's probes are; before anything can run out, since a failed
+    # step's tensors, held by its traceback, would count in the peak.
     big = 4 * estimate.measurements[-1][0]
     measured = testing.training_peak_bytes(model, data, big)
+    best = estimate.max_batch_size()
+    best_fits = _fits(model, data, best)
     # Bisection for the largest batch that fits, in [good, bad): when
     # 4/3 of `best` runs out, `best` is at least 75% of it; two more
     # halvings of the interval say how close `best` is.
