@@ -351,6 +351,15 @@ class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, r"^`name` must be one of"):
             testing.reference_model("vision_transformer")
 
+    def test_bad_sequence_arguments_raise(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`input_shape` of the transformer must be at most 4096",
+        ):
+            testing.reference_model("transformer", (5000,))
+        with self.assertRaisesRegex(ValueError, r"^`tokens` must be True or"):
+            testing.random_data((8,), tokens="yes")
+
     def test_random_data_repeats_few_labelled_rows(self):
         data = testing.random_data((3,), rows=4)
         x, y = next(iter(data(8)))

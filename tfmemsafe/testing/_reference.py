@@ -23,6 +23,8 @@ _DEFAULT_SHAPES = {
 }
 # The sequence networks' vocabulary: token ids are in [1, _VOCABULARY).
 _VOCABULARY = 2000
+# The transformer's learned positions: its longest sequence.
+_LONGEST = 4096
 
 
 def reference_model(
@@ -76,6 +78,11 @@ def reference_model(
             f"name={name!r}"
         )
     shape = tuple(input_shape or _DEFAULT_SHAPES[name])
+    if name == "transformer" and (shape[0] or 0) > _LONGEST:
+        raise ValueError(
+            f"`input_shape` of the transformer must be at most {_LONGEST} "
+            f"tokens long, its positions. Received: input_shape={shape!r}"
+        )
     keras.utils.set_random_seed(0)
     model = _BUILDERS[name](shape)
     model.compile(
@@ -164,11 +171,14 @@ class _AddPosition(keras.layers.Layer):
         length = keras.ops.shape(x)[1]
         return x + self.positions[None, :length]
 
+    def get_config(self):
+        return {**super().get_config(), "longest": self.longest}
+
 
 def _transformer(shape):
     inputs = keras.Input(shape, dtype="int32")
     x = keras.layers.Embedding(_VOCABULARY, 64)(inputs)
-    x = _AddPosition(4096)(x)
+    x = _AddPosition(_LONGEST)(x)
     attended = keras.layers.MultiHeadAttention(4, 16)(x, x)
     x = keras.layers.LayerNormalization()(x + attended)
     fed = keras.layers.Dense(128, activation="relu")(x)
@@ -217,6 +227,7 @@ def random_data(
     >>> model.fit(data(64).take(2), verbose=0)
     """
     rows = _checks.integer("rows", rows, 1)
+    tokens = _checks.boolean("tokens", tokens)
     shape = tuple(input_shape)
     rng = np.random.default_rng(0)
     if tokens:
