@@ -1,25 +1,25 @@
 """How well `tfmemsafe.estimate_memory` predicts peaks beyond its probes.
 
-Four small networks on generated data, the architectures of issue #14's
-proof (`tests/estimate_test.py`, `RealCapTest`), built by
-`tfmemsafe.testing.reference_model`: a conv net (3x3 convolutions of 16
-and 16 channels, max pooling, one of 32, global pooling), a residual net
-with batch normalization (two blocks of two 16-channel convolutions), an
-MLP (two dense layers of 1024 on 256 features, dropout) and an
-`AccumulatingModel` (two micro-batches per step) whose two
-two-convolution blocks are `Checkpointed`; images are 24x24x3, fed by
-`tfmemsafe.testing.random_data`, a `tf.data` pipeline with one batch
-prefetched.
+The six networks of the memory model's proof (`tests/estimate_test.py`,
+`RealCapTest`), built by `tfmemsafe.testing.reference_model` on data from
+`tfmemsafe.testing.random_data` (a `tf.data` pipeline, one batch
+prefetched): a conv net and a residual net with batch normalization on
+24x24 images, an MLP on 256 features, an `AccumulatingModel` whose
+convolution blocks are `Checkpointed`, a GRU and a transformer encoder
+block on 64 token ids.
 
-Each network runs in a fresh process whose CPU allocator is capped
-(TensorFlow's BFC allocator, oneDNN off, as
+Each network runs in `--repeats` fresh processes whose CPU allocator is
+capped (TensorFlow's BFC allocator, oneDNN off, as
 `tfmemsafe.testing.run_with_memory_cap` sets it) at the test's cap for
-it, or at `--cap_mb`, all at once. There it estimates with the default
-probes, then trains three steps at each of `--multiples` times the
-largest probe, in increasing order, and reads the allocator's peak,
-until one runs out of memory. The table gives the probes, and for each
-larger size the predicted and the measured peak and the error
-(predicted over measured, minus one).
+it, two processes at a time. Each estimates with the default probes,
+then trains eight steps at each of `--multiples` times the largest
+probe, in increasing order, until one runs out of memory, and reads the
+highest step's peak as the estimate reads its probes: the growth over
+what was in use before, plus the model's counted state. The table gives
+the first process's probes, the predicted and measured peaks and the
+error (predicted over measured, minus one), and across the processes the
+spread (largest less smallest, over the median) of `max_batch_size()`
+and of the prediction at the first process's largest size.
 
 Example:
     python benchmarks/estimate_accuracy.py
@@ -30,55 +30,76 @@ import concurrent.futures
 from absl import app
 from absl import flags
 
-_CAP_MB = flags.DEFINE_integer(
-    "cap_mb", 0, "The allocator's limit in MB; 0: each network's own."
-)
 _MULTIPLES = flags.DEFINE_list(
     "multiples",
-    ["2", "4", "6", "8"],
+    ["1.5", "2", "3", "4"],
     "Sizes to check, times the largest probe.",
 )
-_IMAGE_SIZE = flags.DEFINE_integer(
-    "image_size", 0, "Image height and width; 0: each network's own."
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 2, "Fresh processes per network, for the spread."
 )
 _ARCHITECTURES = flags.DEFINE_list(
     "architectures",
-    ["conv_net", "residual_net", "mlp", "accumulating_checkpointed_net"],
+    [
+        "conv_net",
+        "residual_net",
+        "mlp",
+        "accumulating_checkpointed_net",
+        "gru",
+        "transformer",
+    ],
     "Networks to measure.",
 )
 
 _MIB = 1024 * 1024
-# Each network's cap in MB and image size, as in `RealCapTest`.
-CAPS = {
-    "conv_net": (450, 24),
-    "residual_net": (1300, 24),
-    "mlp": (250, None),
-    "accumulating_checkpointed_net": (1000, 24),
+# Each network's sample shape, cap in MB and whether its data is token
+# ids, as in `RealCapTest`.
+NETWORKS = {
+    "conv_net": ((24, 24, 3), 1200, False),
+    "residual_net": ((24, 24, 3), 1300, False),
+    "mlp": ((256,), 250, False),
+    "accumulating_checkpointed_net": ((24, 24, 3), 1000, False),
+    "gru": ((64,), 700, True),
+    "transformer": ((64,), 700, True),
 }
 
 
-def measure(name, multiples, image_size=24):
+def measure(name, multiples):
     """Estimates, then measures at `multiples` of the largest probe."""
+    import gc
+
     import tfmemsafe
+    from tfmemsafe import estimate as estimate_lib
     from tfmemsafe import testing
 
-    shape = (256,) if name == "mlp" else (image_size, image_size, 3)
-    model = testing.reference_model(name, shape)
-    data = testing.random_data(shape)
+    shape, _, tokens = NETWORKS[name]
+    model = testing.reference_model(name, (None,) if tokens else shape)
+    data = testing.random_data(shape, tokens=tokens)
     estimate = tfmemsafe.estimate_memory(model, data)
     largest = estimate.measurements[-1][0]
     rows = []
     for multiple in multiples:
-        size = multiple * largest
-        peak = testing.training_peak_bytes(model, data, size)
+        size = int(multiple * largest)
+        gc.collect()
+        before = tfmemsafe.memory_info("CPU:0").current_bytes
+        peak = testing.training_peak_bytes(model, data, size, steps=8)
+        if peak is not None:
+            peak = peak - before + estimate_lib.state_bytes(model)
         rows.append((size, estimate.peak_bytes(size), peak))
         if peak is None:
             break
     return {
         "probes": [[size, peak] for size, peak in estimate.measurements],
         "rows": rows,
+        "line": [estimate.fixed_bytes, estimate.per_sample_bytes],
         "max_batch_size": estimate.max_batch_size(),
     }
+
+
+def _spread(values) -> str:
+    values = sorted(values)
+    middle = values[len(values) // 2]
+    return f"{100 * (values[-1] - values[0]) / middle:.1f}%"
 
 
 def main(argv):
@@ -86,36 +107,44 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from tfmemsafe import testing
 
-    multiples = [int(m) for m in _MULTIPLES.value]
+    multiples = [float(m) for m in _MULTIPLES.value]
     names = _ARCHITECTURES.value
-    unknown = [name for name in names if name not in CAPS]
+    unknown = [name for name in names if name not in NETWORKS]
     if unknown:
         raise app.UsageError(
-            f"`--architectures` must name some of {', '.join(CAPS)}. "
+            f"`--architectures` must name some of {', '.join(NETWORKS)}. "
             f"Received: {', '.join(unknown)}"
         )
-    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {
-            name: pool.submit(
-                testing.run_with_memory_cap,
-                measure,
-                _CAP_MB.value or CAPS[name][0],
-                args=[name, multiples, _IMAGE_SIZE.value or CAPS[name][1]],
-            )
+            name: [
+                pool.submit(
+                    testing.run_with_memory_cap,
+                    measure,
+                    NETWORKS[name][1],
+                    args=[name, multiples],
+                    timeout=1800,
+                )
+                for _ in range(_REPEATS.value)
+            ]
             for name in names
         }
-        results = {name: future.result() for name, future in futures.items()}
+        results = {
+            name: [future.result() for future in runs]
+            for name, runs in futures.items()
+        }
     print(
         "| model | cap MB | probes: batch (peak MiB) | batch | "
         "predicted MiB | measured MiB | error |"
     )
     print("|---|---:|---|---:|---:|---:|---:|")
-    for name, result in results.items():
-        cap = _CAP_MB.value or CAPS[name][0]
+    for name, runs in results.items():
+        first = runs[0]
+        cap = NETWORKS[name][1]
         probes = ", ".join(
-            f"{size} ({peak / _MIB:.1f})" for size, peak in result["probes"]
+            f"{size} ({peak / _MIB:.1f})" for size, peak in first["probes"]
         )
-        for size, predicted, peak in result["rows"]:
+        for size, predicted, peak in first["rows"]:
             if peak is None:
                 measured, error = "out of memory", ""
             else:
@@ -126,7 +155,17 @@ def main(argv):
                 f"{predicted / _MIB:.1f} | {measured} | {error} |"
             )
             name = cap = probes = ""
-        print(f"| | | max_batch_size(): {result['max_batch_size']} | | | | |")
+        sizes = [run["max_batch_size"] for run in runs]
+        last = first["rows"][-1][0]
+        predicted = [
+            fixed + slope * last
+            for fixed, slope in (run["line"] for run in runs)
+        ]
+        print(
+            f"| | | max_batch_size(): {', '.join(map(str, sizes))} "
+            f"(spread {_spread(sizes)}); predicted at {last}: spread "
+            f"{_spread(predicted)} over {len(runs)} processes | | | | |"
+        )
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ class PreflightTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(result["events"], 0)
         self.assertEqual(result["epochs"], [0])
 
-    def test_memory_estimate_false_runs_no_probe(self):
+    def test_no_probe_runs_when_off_or_far_from_the_limit(self):
         if tfmemsafe.memory_info("CPU:0").peak_bytes is None:
             self.skipTest("CPU:0 keeps no allocator statistics here")
         x, y = _images(64)
@@ -243,8 +243,9 @@ class PreflightTest(parameterized.TestCase, tf.test.TestCase):
             )
             passes[memory_estimate] = int(counter.numpy())
         self.assertEqual(passes[False], 64)
-        # The pre-flight check's probes ran the model too.
-        self.assertGreater(passes[True], 64)
+        # Batch 32 of this model is far from the limit: the static bound
+        # says so, and the pre-flight check runs no probe either.
+        self.assertEqual(passes[True], 64)
 
     @parameterized.parameters("preflight", "memory_estimate")
     def test_switches_must_be_bools(self, name):

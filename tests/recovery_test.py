@@ -294,13 +294,29 @@ def find_max_batch_size_under_cap():
     unchanged = all(
         np.array_equal(a, v.numpy()) for a, v in zip(before, state, strict=True)
     )
-    model.fit(x, y, batch_size=size, epochs=1, verbose=0)
+    # Trains at the size found, with and without validation: no event,
+    # and no pre-flight cut (a size that trained is measured).
+    trained = []
+    for validation in (None, (x[:512], y[:512])):
+        history = tfmemsafe.fit(
+            model,
+            (x, y),
+            batch_size=size,
+            validation_data=validation,
+            verbose=0,
+        )
+        trained.append([history.batch_size, len(history.oom_events)])
     try:
         model.fit(x, y, batch_size=2 * size, epochs=1, verbose=0)
         double = "fits"
     except tf.errors.ResourceExhaustedError:
         double = "out of memory"
-    return {"size": size, "unchanged": unchanged, "double": double}
+    return {
+        "size": size,
+        "unchanged": unchanged,
+        "trained": trained,
+        "double": double,
+    }
 
 
 def mirrored_strategy_under_cap():
@@ -993,9 +1009,13 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertEqual(sum(rows), 3000)
         self.assertLess(result["difference"], 1e-5)
 
-    def test_found_batch_size_trains_and_twice_it_does_not(self):
+    def test_found_size_trains_with_and_without_validation_twice_does_not(
+        self,
+    ):
         result = self.result(find_max_batch_size_under_cap)
         self.assertGreaterEqual(result["size"], 64)
+        size = result["size"]
+        self.assertEqual(result["trained"], [[size, 0], [size, 0]])
         self.assertEqual(result["double"], "out of memory")
 
     def test_find_max_batch_size_leaves_weights_and_optimizer_as_found(self):

@@ -138,6 +138,10 @@ class Source:
         cardinality = int(arguments["x"].cardinality())
         return cardinality if cardinality >= 0 else None
 
+    def resident_bytes(self) -> int:
+        """What the data itself keeps in device memory while training."""
+        return 0  # A pipeline streams its batches.
+
     def sample_inputs(self):
         """The inputs of one sample, as a batch of one, to build a model."""
         batch = next(iter(self.dataset(1).take(1)))
@@ -241,6 +245,11 @@ class Arrays(Source):
         rows = num_rows(arguments["x"])  # The rest, when resumed.
         rows = math.floor(rows * (1.0 - split))
         return math.ceil(rows / arguments["batch_size"])
+
+    def resident_bytes(self) -> int:
+        # Keras converts the whole arrays to tensors for `fit`.
+        leaves = keras.tree.flatten((self.x, self.y, self.sample_weight))
+        return sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves)
 
     def sample_inputs(self):
         return keras.tree.map_structure(lambda a: a[:1], self.x)

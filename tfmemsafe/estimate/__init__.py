@@ -11,5 +11,15 @@ checked.
 from tfmemsafe.estimate._estimate import MemoryEstimate
 from tfmemsafe.estimate._estimate import estimate_memory
 from tfmemsafe.estimate._estimate import estimate_source
+from tfmemsafe.estimate._graph import bound_terms
+from tfmemsafe.estimate._probe import devices_of
+from tfmemsafe.estimate._probe import state_bytes
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_source"]
+__all__ = [
+    "MemoryEstimate",
+    "bound_terms",
+    "devices_of",
+    "estimate_memory",
+    "estimate_source",
+    "state_bytes",
+]

@@ -1,151 +1,34 @@
 """A measured memory model of a model's training step.
 
 `estimate_memory` runs the model's real training step, as `model.fit`
-compiles it, at a few small batch sizes, reads the allocator's peak after
-each, and fits a line `peak = fixed + per_sample x batch` through those
-past the floor (the peak that small batches share, see
-`_probe.measure_default_sizes`). The `MemoryEstimate` it returns predicts the
-peak at any batch size and the largest batch that fits a memory limit.
-See docs/memory-estimate.md.
+compiles it, at a few small batch sizes, reads the allocator's peak of
+each (the step's growth over what was in use, plus the model's counted
+state: the same in every process), and fits a line
+`peak = fixed + per_sample x batch` through the largest (past the floor
+that small batches share, see `_probe.measure_default_sizes`). With
+`lengths`, it also probes samples made longer, and the per-sample part
+becomes a polynomial in the length (`_lengths`). The `MemoryEstimate` it
+returns predicts the peak at any batch size (and length) and the largest
+batch that fits a memory limit. See docs/memory-estimate.md.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import keras
 import numpy as np
 from absl import logging
 
 from tfmemsafe import _checks
-from tfmemsafe import memory
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import MemoryEstimateError
+from tfmemsafe.estimate import _graph
+from tfmemsafe.estimate import _lengths
 from tfmemsafe.estimate import _probe
+from tfmemsafe.estimate._result import MemoryEstimate
 
-# A probe is past the floor when it grew the peak over the first probe's
-# by at least this share of what the largest probe grew it.
-_PAST_FLOOR = 0.25
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """The peak memory of a training step as a line in the batch size.
-
-    `peak_bytes(b) = fixed_bytes + per_sample_bytes * b`, fitted to the
-    allocator's peaks at the larger probe sizes in `measurements` (those
-    past the floor that small batches share).
-    The fixed part holds the weights, the optimizer state, the gradients
-    and whatever else the process keeps on the device (a dataset's arrays,
-    say); the per-sample part the activations kept for the backward pass
-    and the batch itself.
-
-    Attributes:
-        device: str. The device measured; under a `tf.distribute`
-            strategy, the replica device whose peak was highest.
-        limit_bytes: int or `None`. The device's memory limit (see
-            `tfmemsafe.memory_info`), if known.
-        fixed_bytes: int. The line's value at batch 0.
-        per_sample_bytes: float. The line's slope. Under a strategy, per
-            sample of the global batch, on one replica device.
-        measurements: tuple of `(batch_size, peak_bytes)` pairs, every
-            probe, smallest first. Batch sizes are global.
-    """
-
-    device: str
-    limit_bytes: int | None
-    fixed_bytes: int
-    per_sample_bytes: float
-    measurements: tuple[tuple[int, int], ...]
-
-    def peak_bytes(self, batch_size: int) -> int:
-        """The predicted peak of a training step at `batch_size`.
-
-        Args:
-            batch_size: int. A (global) batch size.
-
-        Returns:
-            The predicted peak in bytes.
-        """
-        batch_size = _checks.integer("batch_size", batch_size, 1)
-        return int(
-            math.ceil(self.fixed_bytes + self.per_sample_bytes * batch_size)
-        )
-
-    def max_batch_size(
-        self,
-        limit_bytes: int | None = None,
-        headroom: float = memory.HEADROOM,
-        multiple: int = 1,
-    ) -> int:
-        """The largest batch whose predicted peak leaves `headroom` free.
-
-        Args:
-            limit_bytes: int or `None`. The memory to fit in; lets you ask
-                about a device you do not have ("would batch 512 fit a
-                16 GiB card?"). Defaults to `None`, the measured device's
-                `limit_bytes`.
-            headroom: float. The fraction of the limit to leave free, in
-                [0, 1), for what the line does not see: the allocator's
-                fragmentation, a different convolution algorithm at a
-                larger size, other work on the device. Defaults to 0.1.
-            multiple: int. Round down to a multiple of this (the number
-                of replicas, say). Defaults to 1.
-
-        Returns:
-            The batch size, or 0 when not even `multiple` samples are
-            predicted to fit.
-
-        Raises:
-            ValueError: If an argument is out of range, or `limit_bytes`
-                is `None` and the device's limit is unknown.
-
-        Example:
-        >>> estimate.max_batch_size(limit_bytes=16 * 1024**3, multiple=8)
-        4096
-        """
-        if limit_bytes is None:
-            limit_bytes = self.limit_bytes
-            if limit_bytes is None:
-                raise ValueError(
-                    f"`limit_bytes` is required: the memory limit of "
-                    f"{self.device} is unknown. Received: limit_bytes=None"
-                )
-        limit_bytes = _checks.integer("limit_bytes", limit_bytes, 1)
-        headroom = _checks.fraction("headroom", headroom)
-        multiple = _checks.integer("multiple", multiple, 1)
-        room = memory.usable_bytes(limit_bytes, headroom) - self.fixed_bytes
-        if room < self.per_sample_bytes * multiple:
-            return 0
-        size = int(room // self.per_sample_bytes)
-        return size - size % multiple
-
-    def __str__(self) -> str:
-        limit = (
-            "limit unknown"
-            if self.limit_bytes is None
-            else f"limit {mib(self.limit_bytes)}"
-        )
-        lines = [
-            f"MemoryEstimate on {self.device} ({limit})",
-            f"  peak = {mib(self.fixed_bytes)} + "
-            f"{self.per_sample_bytes / 1024:.1f} KiB x batch",
-            f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
-        ]
-        for size, peak in self.measurements:
-            predicted = self.peak_bytes(size)
-            lines.append(
-                f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
-                f"{100 * (predicted - peak) / peak:+.1f}%"
-            )
-        if self.limit_bytes is not None:
-            lines.append(
-                f"  largest batch with {100 * memory.HEADROOM:.0f}% headroom: "
-                f"{self.max_batch_size()}"
-            )
-        return "\n".join(lines)
+# The probes the line's slope is fitted to: the largest three.
+_FITTED = 3
 
 
 def estimate_memory(
@@ -153,6 +36,7 @@ def estimate_memory(
     data,
     *,
     batch_sizes=None,
+    lengths=None,
     device=None,
 ) -> MemoryEstimate:
     """Measures the peak memory of a training step at a few batch sizes.
@@ -160,10 +44,13 @@ def estimate_memory(
     Runs the model's real training step, compiled as `model.fit` compiles
     it (its `train_step`, `jit_compile`, distribution strategy, dtype
     policy and loss scaling, an `AccumulatingModel`'s windows,
-    `Checkpointed` layers), for two steps at each probe batch size. Before
-    each probe it resets the device's peak-memory statistic, and after it
-    reads the peak; a line `peak = fixed + per_sample x batch` is fitted to
-    the peaks by least squares.
+    `Checkpointed` layers), for five steps at each probe batch size. A
+    probe's peak is its median step's growth over the memory in use
+    before it, plus the model's state counted from its variables: so
+    what something else holds, and what ran before (training,
+    `evaluate`, `predict`, an earlier estimate), changes no reading. A
+    line `peak = fixed + per_sample x batch` is fitted to the largest
+    probes (see `_fit_line`).
 
     The model is left exactly as it was found: its weights, optimizer
     variables (including `iterations`), metric states, accumulation
@@ -171,17 +58,23 @@ def estimate_memory(
     and its compiled functions. An optimizer that was not built yet is
     built (with zero state, as `fit` would build it).
 
-    With `batch_sizes=None` it chooses the probes: doubling (quadrupling
-    while the peak hardly grows) sizes from 8 (times the replicas), at
-    most seven, never to a size predicted to grow the peak (over the line's
-    value at batch 0) by more than 20% of the free memory, so that a
-    batch four times the largest probe still fits; it stops earlier once
-    the peak has grown by half the first probe's and the last two slopes
-    agree within 15%. Small batches share a floor (the optimizer update,
-    the data, on CPUs without oneDNN the capped buffers of Eigen's
-    convolution gradients) that the line must not be fitted to: it is
-    fitted to the probes past it (see `_fit_line`). Under a strategy,
-    sizes are global and the peak is the highest of the replica devices.
+    With `batch_sizes=None` it chooses the probes (`_probe`): 8 (times
+    the replicas), 32, 128, then doubling, at most seven; it stops before
+    a size predicted to grow the peak by more than 20% of the memory the
+    model's state leaves below the limit (so that a batch four times the
+    largest probe still fits), or that would not fit beside what is in
+    use now; and earlier, after four, once the peak has grown by 1.5
+    times the second probe's and the last two slopes agree within 15%.
+    Under a strategy, sizes are global and the peak is the highest of the
+    replica devices.
+
+    With `lengths`, the data's samples are also made longer (or shorter)
+    along axis 1, repeating their own values, and the step is probed at
+    each length at two batch sizes: the per-sample part becomes a
+    polynomial in the length, with the powers that the traced forward
+    pass's tensors hold (a GRU's are linear in it, attention's scores
+    quadratic). `peak_bytes(batch_size, length=...)` and
+    `max_batch_size(length=...)` then answer for any length.
 
     Args:
         model: A compiled `keras.Model`.
@@ -190,6 +83,10 @@ def estimate_memory(
         batch_sizes: list of int, or `None`. The probe sizes, at least
             two different ones, each small enough to fit. Defaults to
             `None`, chosen as above.
+        lengths: list of int, or `None`. Other lengths (axis 1 of the
+            inputs) to probe, besides the data's own; the model must
+            accept inputs of any length there. Defaults to `None`: no
+            second dimension.
         device: str or `tf.config.LogicalDevice`. The device to read.
             Defaults to `None`: the replica devices of the model's
             strategy, or `tfmemsafe.default_devices()`.
@@ -216,8 +113,10 @@ def estimate_memory(
     replicas = model.distribute_strategy.num_replicas_in_sync
     if batch_sizes is not None:
         batch_sizes = _check_batch_sizes(batch_sizes, replicas)
+    if lengths is not None:
+        lengths = _check_lengths(lengths, source)
     return estimate_source(
-        model, source, batch_sizes=batch_sizes, device=device
+        model, source, batch_sizes=batch_sizes, lengths=lengths, device=device
     )
 
 
@@ -227,6 +126,7 @@ def estimate_source(
     *,
     phase: str = "training",
     batch_sizes: list[int] | None = None,
+    lengths: list[int] | None = None,
     largest: int | None = None,
     device=None,
 ) -> MemoryEstimate:
@@ -239,6 +139,7 @@ def estimate_source(
             `"evaluation"` or `"validation"` (`model.evaluate`), or
             `"prediction"` (`model.predict`).
         batch_sizes: list of int or `None`. Checked probe sizes, sorted.
+        lengths: list of int or `None`. Checked other lengths, sorted.
         largest: int or `None`. No default probe is larger than this
             (recovery passes half the size that ran out).
         device: As in `estimate_memory`.
@@ -249,7 +150,7 @@ def estimate_source(
     replicas = model.distribute_strategy.num_replicas_in_sync
     devices = _probe.devices_of(model, device)
     limits = _probe.check_statistics(devices)
-    probe = _probe.Probe(model, source, devices, phase)
+    probe = _probe.Probe(model, source, devices, phase, limits)
     try:
         if batch_sizes is None:
             measurements = _probe.measure_default_sizes(
@@ -257,66 +158,139 @@ def estimate_source(
             )
         else:
             measurements = [probe.run(size) for size in batch_sizes]
+        sizes = [size for size, _, _ in measurements]
+        peaks = [peak for _, peak, _ in measurements]
+        fixed, per_sample = _fit_line(sizes, peaks)
+        if per_sample <= 0:
+            raise MemoryEstimateError(
+                "Could not estimate memory: the peak did not grow with the "
+                f"batch size (batch sizes {sizes}, peaks "
+                f"{[mib(p) for p in peaks]}). Pass larger `batch_sizes`."
+            )
+        second = {}
+        if lengths:
+            second = _measure_lengths(
+                probe, model, source, lengths, measurements, per_sample
+            )
     finally:
         probe.close()
-    sizes = [size for size, _, _ in measurements]
-    peaks = [peak for _, peak, _ in measurements]
-    fixed, per_sample = _fit_line(sizes, peaks)
-    if per_sample <= 0:
-        raise MemoryEstimateError(
-            "Could not estimate memory: the peak did not grow with the batch "
-            f"size (batch sizes {sizes}, peaks {[mib(p) for p in peaks]}). "
-            "Pass larger `batch_sizes`."
-        )
     # The device whose peak was highest at the largest probe.
     device = measurements[-1][2]
+    traced = _graph.per_sample_bytes(model, source.sample_inputs())
+    # Per sample of the global batch, on one replica device, in one
+    # micro-batch of an `AccumulatingModel`.
+    split = replicas * getattr(model, "accumulation_steps", 1)
+    largest_tensor = 0.0 if traced is None else traced.largest / split
     estimate = MemoryEstimate(
         device=device,
         limit_bytes=limits[device],
         fixed_bytes=int(round(fixed)),
         per_sample_bytes=float(per_sample),
         measurements=tuple(zip(sizes, peaks, strict=True)),
+        state_bytes=probe.state_bytes,
+        largest_tensor_bytes=largest_tensor,
+        **second,
     )
     logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)
     return estimate
 
 
+def _measure_lengths(probe, model, source, lengths, measurements, slope):
+    """The per-sample part's polynomial in the length, from probes.
+
+    At each length, two batch sizes a factor two apart, chosen to hold
+    about as many elements as the largest probe of the data's own length
+    (fewer, if the length's power predicts more than the probe budget);
+    their slope is that length's per-sample part.
+    """
+    base = _lengths.base_length(source)
+    powers = _graph.length_powers(model, source.sample_inputs(), base)
+    if powers is None:
+        raise MemoryEstimateError(
+            "Could not estimate memory at other lengths: the model could "
+            f"not be traced with inputs of another length than {base}."
+        )
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    top, top_peak, _ = measurements[-1]
+    grown = max(top_peak - measurements[0][1], slope * top)
+    points, slopes, triples = [base], [slope], []
+    for length in lengths:
+        ratio = (length / base) ** max(powers)
+        size = max(2 * replicas, int(top * base / length))
+        # Predicted growth at `size`, by the steepest power the graph has.
+        while size > 2 * replicas and slope * size * ratio > 2 * grown:
+            size //= 2
+        size -= size % (2 * replicas)
+        size = max(size, 2 * replicas)
+        pair = []
+        for batch_size in (size // 2, size):
+            arguments = _lengths.resized_arguments(
+                source, batch_size, length, _probe._PROBE_STEPS
+            )
+            _, peak, _ = probe.run(batch_size, arguments)
+            pair.append(peak)
+            triples.append((batch_size, length, peak))
+        points.append(length)
+        slopes.append(max(pair[1] - pair[0], 0) / (size - size // 2))
+    coefficients = _lengths.fit_powers(points, slopes, powers)
+    if _lengths.polynomial(coefficients, base) <= 0:
+        raise MemoryEstimateError(
+            "Could not estimate memory at other lengths: the peak did not "
+            f"grow with the batch at length {base} "
+            f"(slopes {[round(s) for s in slopes]} bytes a sample)."
+        )
+    return {
+        "length": base,
+        "length_coefficients": coefficients,
+        "length_measurements": tuple(triples),
+    }
+
+
 def _fit_line(sizes, peaks) -> tuple[float, float]:
     """The line `peak = fixed + per_sample * size` through the probes.
 
-    Fitted to the probes past the floor: those that grew the peak over
-    the smallest probe's by at least `_PAST_FLOOR` of what the largest
-    grew it, and always the largest two. Least squares on them, made no
-    shallower than the secant of the two largest, then moved up to pass
-    no lower than any probe. A step's peak is the largest of many
-    moments' memory, each growing linearly with the batch, so it bends
-    upwards (the moment with the most activations takes over) and a line
-    through smaller probes would fall short; probes on the floor would
-    flatten it most. Where the peak barely grew, noise can make the
-    largest probes' line fall; then it is fitted to all of them.
+    Its slope is the least-squares slope of the largest `_FITTED` probes.
+    A step's peak is the largest of many moments' memory, each growing
+    linearly with the batch, so it bends upwards (the moment with the
+    most activations takes over) and the largest probes are the nearest
+    to the slope beyond; three of them rather than the last two, so that
+    one probe whose median step happened to hold a little less or more
+    (an MLP's 1024 read 35.1 MiB where the line through its neighbours
+    reads 40) does not tilt it. The line then passes no lower than any
+    probe (the floor does not go away at larger batches). If the peak
+    fell, the least-squares line through all of them.
     """
     order = np.argsort(sizes)
     sizes = np.asarray(sizes, float)[order]
     peaks = np.asarray(peaks, float)[order]
-    growth = peaks - peaks[0]
-    past_floor = growth >= _PAST_FLOOR * growth[-1]
-    past_floor[-2:] = True
-    fixed, per_sample = _lifted_line(sizes[past_floor], peaks[past_floor])
+    per_sample, _ = np.polyfit(sizes[-_FITTED:], peaks[-_FITTED:], 1)
     if per_sample <= 0:
-        fixed, per_sample = _lifted_line(sizes, peaks)
-    # The floor does not go away at larger batches: the line reads no
-    # lower than any probe.
-    fixed = max(fixed, float(np.max(peaks - per_sample * sizes)))
-    return fixed, per_sample
+        per_sample, _ = np.polyfit(sizes, peaks, 1)
+    fixed = float(np.max(peaks - per_sample * sizes))
+    return fixed, float(per_sample)
 
 
-def _lifted_line(sizes, peaks) -> tuple[float, float]:
-    """Least squares, no shallower than the last secant, lifted to the last."""
-    per_sample, fixed = np.polyfit(sizes, peaks, 1)
-    (s1, s2), (p1, p2) = sizes[-2:], peaks[-2:]
-    per_sample = max(per_sample, (p2 - p1) / (s2 - s1))
-    fixed = max(fixed, p2 - per_sample * s2)
-    return float(fixed), float(per_sample)
+def _check_lengths(lengths, source) -> list[int]:
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+        raise TypeError(
+            "`lengths` must be a list of integers or None. "
+            f"Received: lengths={lengths!r}"
+        )
+    checked = sorted({_checks.integer("lengths", n, 1) for n in lengths})
+    base = _lengths.base_length(source)
+    if base is None:
+        raise ValueError(
+            "`lengths` needs data whose inputs have a length, a second "
+            "axis after the batch's. Received data whose sample shapes "
+            f"are {[shape for shape, _ in source.sample_signature()]}"
+        )
+    checked = [n for n in checked if n != base]
+    if not checked:
+        raise ValueError(
+            f"`lengths` must hold a length other than the data's own, "
+            f"{base}. Received: lengths={list(lengths)!r}"
+        )
+    return checked
 
 
 def _check_batch_sizes(batch_sizes, replicas: int) -> list[int]:

@@ -1,11 +1,28 @@
 """The probes: the model's real step at one batch size, and its peak.
 
 `measure_default_sizes` chooses the probe sizes: from `_FIRST_PROBE`,
-doubling (or quadrupling while the floor hides the slope) until the line
-is straight or the next probe would take too much of the free memory.
-Each `Probe.run` trains (or evaluates, or predicts) `_PROBE_STEPS` steps
-and reads the peak inside a `memory.PeakWindow`, so the peak outside the
-probes stays visible to a `MemoryMonitor`.
+quadrupling twice and then doubling, until the line is straight or the
+next probe would take too much of the memory the model's state leaves
+free. Each `Probe.run` trains (or evaluates, or predicts) `_PROBE_STEPS`
+steps and reads the peak of every step inside a `memory.PeakWindow`, so
+the peak outside the probes stays visible to a `MemoryMonitor`.
+
+What makes a reading the same in every process, whatever ran before:
+
+- it is the step's growth over what was in use before the probe, plus
+  the model's state counted from its variables: memory that something
+  else holds (an earlier `fit`'s leftovers, a second model) is in neither;
+- it is the median of `_PROBE_STEPS` steps' peaks: TensorFlow's
+  executor runs independent ops in parallel, and the same step peaks
+  differently from one run to the next (on CPUs without oneDNN, whether
+  Eigen's convolution gradients' im2col buffers, up to 30 MB each, are
+  alive at once: a conv net's steps at batch 8 peaked at 88.5 MiB in
+  most steps and at 66.3 or 92.8 MiB in one of five or so). The highest
+  or the lowest of a few steps catches a rare schedule in some processes
+  and not in others; the median is the common one in all. What a rarer
+  schedule adds is left to the headroom (docs/memory-estimate.md);
+- the probe sizes depend on the device's limit and the model's state,
+  not on what happens to be in use.
 """
 
 from __future__ import annotations
@@ -13,38 +30,44 @@ from __future__ import annotations
 import gc
 
 import keras
+import numpy as np
+import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _sources
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
 from tfmemsafe._model_state import ModelState
+from tfmemsafe._model_state import gradient_accumulators_of
+from tfmemsafe._model_state import optimizers_of
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
 
-# Training steps per probe: the first step allocates what only it needs
-# (the optimizer's first update, tracing); the second shows the steady one.
-_PROBE_STEPS = 2
+# Training steps per probe; the reading is the median step's peak.
+_PROBE_STEPS = 5
 # Default probes. A step's peak is not a line from batch 1: at small
 # batches a floor that no sample adds to sets it (the optimizer update,
 # the data, and on oneDNN-off CPUs the im2col buffers of Eigen's
 # convolution gradients, capped at ~30 MB each: a floor of 60-70 MiB for
 # any conv net), and it grows with the batch only past that. So sizes
-# double from `_FIRST_PROBE` (quadruple while the peak has grown by less
-# than `_SMALL_GROWTH` of the free memory), and stop when
+# are `_FIRST_PROBE`, four and sixteen times it, then double, and stop
+# when
 # - the next size is predicted (by the last slope) to grow the peak over
 #   the line's value at batch 0 by more than `_PROBE_BUDGET` of the free
 #   memory, so that no probe runs out and a batch four times the largest
 #   still fits;
-# - or the peak has grown by at least `_GROWN` times the first probe's
+# - or the peak has grown by at least `_GROWN` times the second probe's
 #   (the per-sample part is a real share of it) and the last two slopes
 #   agree to `_SLOPE_AGREEMENT` (the line is straight there);
 # - or after `_MAX_PROBES` (each costs a retrace).
-# The line is fitted to the probes past the floor: see `_fit_line`.
+# "Free" is the limit less the model's state, the same in every process.
+# The first size is probed twice and read the second time, and no
+# decision reads the first probe's level, only slopes past it.
 _FIRST_PROBE = 8
+_QUADRUPLED = 2
 _MIN_PROBES = 3
 _MAX_PROBES = 7
 _PROBE_BUDGET = 0.2
-_SMALL_GROWTH = 0.01
 _GROWN = 1.5
 _SLOPE_AGREEMENT = 0.15
 
@@ -57,15 +80,14 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
     size = replicas * max(1, _FIRST_PROBE // replicas)
     if samples is not None:
         size = min(size, max(replicas, samples - samples % replicas))
+    # A first, unread probe: what the first `fit` on the data leaves for
+    # the rest of them (a copy of a dataset's tensors, the traced step's
+    # constants) is then in use before every probe that is read.
+    probe.run(size)
     measurements = [probe.run(size)]
-    free = _free_bytes(limits, probe.current)
-    first = measurements[0][1]
+    free = _free_bytes(limits, probe.state_bytes)
     while len(measurements) < _MAX_PROBES:
-        last = measurements[-1][1]
-        factor = 2
-        if free is not None and last - first < _SMALL_GROWTH * free:
-            factor = 4  # The floor still hides the slope: go faster.
-        size *= factor
+        size *= 4 if len(measurements) <= _QUADRUPLED else 2
         if samples is not None and size > samples:
             break
         if len(measurements) >= 2:
@@ -74,22 +96,30 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
             )[-3:]
             slope = (p2 - p1) / (s2 - s1)
             before = (p1 - p0) / (s1 - s0)
+            second = measurements[1][1]
             if (
-                len(measurements) >= _MIN_PROBES
-                and last - first >= _GROWN * first
+                len(measurements) >= _MIN_PROBES + 1
+                and p2 - second >= _GROWN * second
                 and slope > 0
                 and abs(slope - before) <= _SLOPE_AGREEMENT * slope
             ):
                 break
             # Growth is counted from the line's value at batch 0, not from
-            # the first probe (which may sit on the floor), so that four
-            # times the probe is predicted to grow the peak by at most
-            # 4 x `_PROBE_BUDGET` of the free memory.
+            # a probe (which may sit on the floor), so that four times the
+            # probe is predicted to grow the peak by at most
+            # 4 x `_PROBE_BUDGET` of the free memory. The slope is the
+            # widest secant's, from the second probe: one step scheduled
+            # with more at once in a middle probe then moves it least.
+            if len(measurements) >= 3:
+                s1 = measurements[1][0]
+                slope = (p2 - second) / (s2 - s1)
             slope = max(slope, 0)
             predicted = p2 + slope * (size - s2)
-            base = min(first, max(p2 - slope * s2, 0))
+            base = min(second, max(p2 - slope * s2, 0))
             if free is not None and predicted - base > _PROBE_BUDGET * free:
                 break
+            if not probe.room_for(predicted):
+                break  # Something else holds memory now: stay safe.
         measurements.append(probe.run(size))
     if len(measurements) < 2:
         raise MemoryEstimateError(
@@ -99,43 +129,100 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
     return measurements
 
 
-def _free_bytes(limits, current) -> int | None:
-    """The least memory free on a device, below its limit."""
-    free = [
-        limits[device] - current[device]
-        for device in current
-        if limits.get(device) is not None
-    ]
+def _free_bytes(limits, state_bytes) -> int | None:
+    """The least memory the model's state leaves below a device's limit."""
+    free = [limit - state_bytes for limit in limits.values() if limit]
     return min(free) if free else None
 
 
-class Probe:
-    """Trains a few steps at a batch size and reads the devices' peaks."""
+def state_bytes(model) -> int:
+    """Bytes of the model's variables, its metrics' and its optimizers'.
 
-    def __init__(self, model, source, devices, phase="training"):
+    What stays in memory between steps, on each replica device: counted,
+    so the same in every process.
+    """
+    variables = [*model.variables, *model.metrics_variables]
+    for optimizer in optimizers_of(model):
+        variables += optimizer.variables
+    for accumulator in gradient_accumulators_of(model):
+        variables += accumulator.state_variables()
+    seen, total = set(), 0
+    for variable in variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        dtype = tf.as_dtype(keras.backend.standardize_dtype(variable.dtype))
+        total += int(np.prod(variable.shape, dtype=np.int64)) * dtype.size
+    return total
+
+
+class Probe:
+    """Trains a few steps at a batch size and reads the devices' peaks.
+
+    Args:
+        model: The compiled `keras.Model`.
+        source: `_sources.Source`. The data.
+        devices: list of str. The devices to read.
+        phase: str. `"training"`, `"evaluation"`, `"validation"` or
+            `"prediction"`.
+        limits: dict of device to its limit in bytes (or `None`).
+    """
+
+    def __init__(self, model, source, devices, phase="training", limits=None):
         self.model = model
         self.source = source
         self.devices = devices
         self.phase = phase
+        self.limits = limits or {}
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
         self.state = ModelState(model)
+        self.state_bytes = state_bytes(model)
+        self.data_bytes = 0
+        self._arrays = None
+        if isinstance(source, _sources.Arrays):
+            # Converted once, outside every probe's window, and counted:
+            # Keras' own conversion in each probe's `fit` lands in the
+            # allocator or not (a NumPy buffer can be used in place), a
+            # 24 MiB swing between processes on a small conv net's data.
+            parts = [source.x, source.y, source.sample_weight]
+            self._arrays = tuple(
+                None
+                if part is None
+                else keras.tree.map_structure(_copied, part)
+                for part in parts
+            )
+            self.data_bytes = source.resident_bytes()
         self.window = memory.PeakWindow(devices)
-        self.current = {}
         self.tried = []
 
-    def run(self, batch_size: int) -> tuple[int, int, str]:
-        """Returns `(batch_size, peak_bytes, device)` of the highest peak."""
+    def room_for(self, peak_bytes: float) -> bool:
+        """Whether `peak_bytes` of this model's fits beside what is in use."""
+        for device in self.devices:
+            limit = self.limits.get(device)
+            if not limit:
+                continue
+            current = _current_bytes(device)
+            held = max(current - self.state_bytes, 0)
+            if held + peak_bytes > limit:
+                return False
+        return True
+
+    def run(self, batch_size: int, arguments=None) -> tuple[int, int, str]:
+        """Returns `(batch_size, peak_bytes, device)` of the highest device.
+
+        `peak_bytes` is the median step's growth over what was in use
+        before the probe, plus the model's state. `arguments`, if given,
+        are the `model.fit` arguments to train on instead of the source's.
+        """
         self.tried.append(batch_size)
         # What the previous probe's `fit` left (its iterator, a copy of the
-        # data) must not count in this one's peak.
+        # data) must not count in this one's peak, nor in its baseline.
         gc.collect()
-        for device in self.devices:
-            self.current[device] = memory.memory_info(
-                device, include_limit=False
-            ).current_bytes
+        before = {device: _current_bytes(device) for device in self.devices}
+        steps = _StepPeaks(self.window, self.devices)
         try:
-            self._steps(batch_size)
+            self._steps(batch_size, steps, arguments)
         except Exception as err:
             if not memory.is_oom_error(err):
                 raise
@@ -144,15 +231,18 @@ class Probe:
                 "ran out of memory. Pass smaller `batch_sizes`.",
                 self.tried,
             ) from err
-        peaks = {
-            device: self.window.peak_bytes(device) for device in self.devices
-        }
-        device = max(peaks, key=lambda d: peaks[d] or 0)
-        if not peaks[device]:
+        peaks = {}
+        for device in self.devices:
+            median = steps.median(device)
+            if median:
+                grown = max(median - before[device], 0)
+                peaks[device] = self.state_bytes + self.data_bytes + grown
+        if not peaks:
             raise MemoryEstimateError(
-                f"Could not estimate memory: {device} reported no peak "
-                "memory after a training step."
+                f"Could not estimate memory: {', '.join(self.devices)} "
+                "reported no peak memory after a training step."
             )
+        device = max(peaks, key=lambda d: peaks[d])
         logging.vlog(
             1,
             "tfmemsafe.estimate_memory: batch %d peaked at %s on %s.",
@@ -162,53 +252,95 @@ class Probe:
         )
         return batch_size, peaks[device], device
 
-    def _steps(self, batch_size: int) -> None:
+    def _steps(self, batch_size: int, steps, arguments=None) -> None:
         """Runs `_PROBE_STEPS` steps of the phase at `batch_size`."""
-        arguments = self.source.trial_arguments(batch_size, _PROBE_STEPS)
-        callbacks = [_ResetPeakAtFirstStep(self.window)]
+        if arguments is None and self._arrays is not None:
+            arguments = {"x": self._batches(batch_size), "shuffle": False}
+        if arguments is None:
+            arguments = self.source.trial_arguments(batch_size, _PROBE_STEPS)
+        callbacks = [steps]
         if self.phase == "training":
             self.model.fit(
                 **arguments, epochs=1, verbose=0, callbacks=callbacks
             )
             return
         arguments.pop("shuffle", None)
-        steps = arguments.pop("steps_per_epoch", None)
+        count = arguments.pop("steps_per_epoch", None)
         if self.phase == "prediction":
             for name in ("y", "sample_weight"):
                 arguments.pop(name, None)
             self.model.predict(
-                **arguments, steps=steps, verbose=0, callbacks=callbacks
+                **arguments, steps=count, verbose=0, callbacks=callbacks
             )
         else:
             self.model.evaluate(
-                **arguments, steps=steps, verbose=0, callbacks=callbacks
+                **arguments, steps=count, verbose=0, callbacks=callbacks
             )
+
+    def _batches(self, batch_size: int):
+        """`_PROBE_STEPS` batches gathered from the converted arrays."""
+        parts = tuple(part for part in self._arrays if part is not None)
+        rows = int(keras.tree.flatten(parts[0])[0].shape[0])
+        indices = tf.data.Dataset.range(rows).repeat()
+        indices = indices.batch(batch_size, drop_remainder=True)
+
+        def gather(index):
+            return keras.tree.map_structure(
+                lambda t: tf.gather(t, index), parts
+            )
+
+        return indices.map(gather).take(_PROBE_STEPS)
 
     def close(self) -> None:
         self.state.restore()
+        self._arrays = None
 
 
-class _ResetPeakAtFirstStep(keras.callbacks.Callback):
-    """Resets the window's peak just before the first step.
+def _copied(array):
+    """A tensor of `array` in the allocator's memory (never NumPy's)."""
+    tensor = tf.convert_to_tensor(array)
+    if tensor.dtype.is_floating or tensor.dtype.is_integer:
+        return tensor + 0
+    return tf.identity(tensor)  # Booleans, strings: not numbers to add.
 
-    So the peak is the step's, not that of `fit`'s setup: converting arrays
-    to tensors may briefly hold two copies of the data, a one-off that no
-    batch size changes.
+
+def _current_bytes(device) -> int:
+    return memory.memory_info(device, include_limit=False).current_bytes or 0
+
+
+class _StepPeaks(keras.callbacks.Callback):
+    """Every step's peak, each device's; `median` reads them.
+
+    The window is reset just before each step, so a reading is the step's,
+    not that of `fit`'s setup: converting arrays to tensors may briefly
+    hold two copies of the data, a one-off that no batch size changes.
     """
 
-    def __init__(self, window):
+    def __init__(self, window, devices):
         super().__init__()
         self.window = window
+        self.devices = devices
+        self.peaks = {}
 
     def on_train_batch_begin(self, batch, logs=None):
-        if batch == 0:
-            self.window.reset()
+        self.window.reset()
+
+    def on_train_batch_end(self, batch, logs=None):
+        for device in self.devices:
+            peak = self.window.peak_bytes(device) or 0
+            self.peaks.setdefault(device, []).append(peak)
+
+    def median(self, device) -> int | None:
+        peaks = self.peaks.get(device)
+        return int(np.median(peaks)) if peaks else None
 
     on_test_batch_begin = on_train_batch_begin
     on_predict_batch_begin = on_train_batch_begin
+    on_test_batch_end = on_train_batch_end
+    on_predict_batch_end = on_train_batch_end
 
 
-def devices_of(model, device) -> list[str]:
+def devices_of(model, device=None) -> list[str]:
     if device is not None:
         return [memory.device_name(device)]
     with model.distribute_strategy.scope():

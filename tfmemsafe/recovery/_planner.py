@@ -4,10 +4,12 @@ A `SizePlanner` answers every "does it fit" of `fit`'s pre-flight check,
 the jump after an out-of-memory error, `find_max_batch_size` and
 `batch_size="auto"`. What this process has measured is a fact and comes
 first: a size that trained at a step and shape fits it, and a size that
-ran out does not. Between the two, a `MemoryEstimate` of the step decides
-with one rule, `memory.fits_within` (`memory.HEADROOM` of the limit left
-free), its per-sample part taken `EXTRAPOLATION_MARGIN` larger beyond
-the largest probe. The facts and the estimates are kept per model, for
+ran out does not. Between the two, first a static bound of the step,
+from the traced forward pass and counted state (`estimate._graph`): a
+batch under it fits without a probe. Only then a `MemoryEstimate` of
+the step decides, with one rule, `memory.fits_within` (`memory.HEADROOM`
+of the limit left free), its prediction plus what something else holds
+on the device now. The facts and the estimates are kept per model, for
 the life of the process, keyed by the step (training, evaluation,
 prediction), the optimizer and the shape of a sample; an estimate that
 could not be made says why once, and is not tried again in that call.
@@ -15,7 +17,6 @@ could not be made says why once, and is not tried again in that call.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import keras
@@ -27,13 +28,6 @@ from tfmemsafe import memory
 from tfmemsafe._messages import mib
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
-
-# Beyond the largest probe, the per-sample part of a prediction is taken
-# this much larger: the line is extrapolated there, and errors measured
-# at 4x the largest probe reached -14% to -20% (docs/memory-estimate.md);
-# a batch chosen by the line alone then ran out in one benchmark run of
-# two.
-EXTRAPOLATION_MARGIN = 0.25
 
 # The compiled step each phase runs.
 _STEPS = {
@@ -58,7 +52,10 @@ class _Facts:
         self.trained = 0
         self.ran_out = None
         self.estimate = None
+        self.bound = _UNTRACED
 
+
+_UNTRACED = object()
 
 # Per model: `(step, optimizer id, sample signature)` to its `_Facts`.
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -122,7 +119,7 @@ class SizePlanner:
         while _over(size, facts.ran_out) and size // 2 >= floor:
             size, count = size // 2, count + 1
             why = f"batch size {facts.ran_out} ran out of memory before"
-        if size <= facts.trained:
+        if size <= facts.trained or self._under_bound(facts, source, size):
             return count, why
         made = self.estimate(phase, source, largest_probe)
         if made is None:
@@ -187,6 +184,14 @@ class SizePlanner:
             return None, f"the memory limit of {made.device} is unknown"
         return made, ""
 
+    def _under_bound(self, facts, source, batch_size: int) -> bool:
+        """Whether the step's static bound at `batch_size` fits, now."""
+        if not self.memory_estimate:
+            return False
+        if facts.bound is _UNTRACED:
+            facts.bound = _StaticBound.of(self.model, source)
+        return facts.bound is not None and facts.bound.fits(batch_size)
+
     def _describe(self, made, batch_size: int) -> str:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
         return (
@@ -207,12 +212,17 @@ def _over(size: int, ran_out: int | None) -> bool:
     return ran_out is not None and size >= ran_out
 
 
+def _held_bytes(device: str, state_bytes: int) -> int:
+    """What is in use on `device` besides the model's state, now."""
+    current = memory.memory_info(device, include_limit=False).current_bytes
+    return max((current or 0) - state_bytes, 0)
+
+
 def _predicted_peak(made, batch_size: int) -> float:
-    """The predicted peak, with `EXTRAPOLATION_MARGIN` beyond the probes."""
-    largest_probe = max(size for size, _ in made.measurements)
-    beyond = max(0, batch_size - largest_probe)
-    margin = EXTRAPOLATION_MARGIN * made.per_sample_bytes * beyond
-    return made.peak_bytes(batch_size) + margin
+    """The predicted peak and its spare room, beside what something else
+    holds now."""
+    held = _held_bytes(made.device, made.state_bytes)
+    return made.peak_bytes(batch_size) + made.spare_bytes(batch_size) + held
 
 
 def _predicted_to_fit(made, batch_size: int, headroom=None) -> bool:
@@ -225,16 +235,50 @@ def _predicted_to_fit(made, batch_size: int, headroom=None) -> bool:
 
 def _largest_predicted(made, headroom: float) -> int:
     """The largest batch `_predicted_to_fit` with `headroom`, or 0."""
-    room = memory.usable_bytes(made.limit_bytes, headroom) - made.fixed_bytes
-    per_sample = made.per_sample_bytes
-    largest_probe = max(size for size, _ in made.measurements)
-    size = math.floor(room / per_sample)
-    if size > largest_probe:  # The margin applies beyond the probes.
-        extra = EXTRAPOLATION_MARGIN * per_sample * largest_probe
-        size = math.floor(
-            (room + extra) / (per_sample * (1 + EXTRAPOLATION_MARGIN))
+    if not _predicted_to_fit(made, 1, headroom):
+        return 0
+    low, high = 1, 2
+    while _predicted_to_fit(made, high, headroom):
+        low, high = high, 2 * high
+    while high - low > 1:  # The peak grows with the batch: bisect.
+        middle = (low + high) // 2
+        if _predicted_to_fit(made, middle, headroom):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class _StaticBound:
+    """The step's bound before any probe (see `estimate._graph`)."""
+
+    def __init__(self, model, terms, state_bytes, limits):
+        self.fixed, self.per_sample = terms
+        self.state_bytes = state_bytes
+        self.limits = limits
+        self.replicas = model.distribute_strategy.num_replicas_in_sync
+
+    @classmethod
+    def of(cls, model, source):
+        """The bound, or `None` where it cannot be known."""
+        devices = estimate_lib.devices_of(model)
+        limits = {d: memory.memory_info(d).limit_bytes for d in devices}
+        if not all(limits.values()):
+            return None
+        if model.optimizer is not None and not model.optimizer.built:
+            # Its slots are state too; `fit` would build it (zero state).
+            with model.distribute_strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+        state = estimate_lib.state_bytes(model)
+        terms = estimate_lib.bound_terms(
+            model, source.sample_inputs(), state, source.resident_bytes()
         )
-    # Rounding can put the boundary one sample off: check by the rule.
-    while size > 0 and not _predicted_to_fit(made, size, headroom):
-        size -= 1
-    return max(size, 0)
+        return None if terms is None else cls(model, terms, state, limits)
+
+    def fits(self, batch_size: int) -> bool:
+        per_replica = -(-batch_size // self.replicas)
+        bound = self.fixed + self.per_sample * per_replica
+        return all(
+            memory.fits_within(bound + _held_bytes(d, self.state_bytes), limit)
+            for d, limit in self.limits.items()
+        )

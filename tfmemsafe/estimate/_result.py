@@ -1,0 +1,258 @@
+"""`MemoryEstimate`: the measured memory model, and what it predicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tfmemsafe import _checks
+from tfmemsafe import memory
+from tfmemsafe._messages import mib
+from tfmemsafe.estimate._lengths import polynomial
+
+# `max_batch_size` keeps room for this many more of the step's largest
+# tensors at the batch, beside the headroom: a step scheduled with one
+# more alive than the probes' median step, and the BFC allocator's
+# fragmentation, which only a chunk of that size can fill (an MLP's
+# 36 MiB activations ran out under a 250 MB cap at the line's size).
+SPARE_TENSORS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """The peak memory of a training step as a line in the batch size.
+
+    `peak_bytes(b) = fixed_bytes + per_sample_bytes * b`, fitted to the
+    allocator's peaks at the larger probe sizes in `measurements` (those
+    past the floor that small batches share).
+    The fixed part holds the weights, the optimizer state, the gradients
+    and whatever else the process keeps on the device (a dataset's arrays,
+    say); the per-sample part the activations kept for the backward pass
+    and the batch itself.
+
+    Attributes:
+        device: str. The device measured; under a `tf.distribute`
+            strategy, the replica device whose peak was highest.
+        limit_bytes: int or `None`. The device's memory limit (see
+            `tfmemsafe.memory_info`), if known.
+        fixed_bytes: int. The line's value at batch 0.
+        per_sample_bytes: float. The line's slope. Under a strategy, per
+            sample of the global batch, on one replica device.
+        measurements: tuple of `(batch_size, peak_bytes)` pairs, every
+            probe at the data's own length, smallest first. Batch sizes
+            are global.
+        state_bytes: int. The model's, its metrics' and its optimizers'
+            variables, counted (part of `fixed_bytes`).
+        length: int or `None`. The data's length (axis 1 of its inputs)
+            when the estimate has a second dimension, else `None`.
+        length_coefficients: tuple of three floats, or `()`. The
+            per-sample part at length `l` is `c0 + c1 l + c2 l^2` bytes,
+            scaled so it is `per_sample_bytes` at `length`.
+        length_measurements: tuple of `(batch_size, length, peak_bytes)`
+            triples: the probes at other lengths.
+        largest_tensor_bytes: float. The bytes per sample of the step's
+            largest tensor (from the traced forward pass);
+            `max_batch_size` keeps room for `SPARE_TENSORS` of them.
+    """
+
+    device: str
+    limit_bytes: int | None
+    fixed_bytes: int
+    per_sample_bytes: float
+    measurements: tuple[tuple[int, int], ...]
+    state_bytes: int = 0
+    length: int | None = None
+    length_coefficients: tuple[float, ...] = ()
+    length_measurements: tuple[tuple[int, int, int], ...] = ()
+    largest_tensor_bytes: float = 0.0
+
+    def peak_bytes(self, batch_size: int, length: int | None = None) -> int:
+        """The predicted peak of a training step at `batch_size`.
+
+        Args:
+            batch_size: int. A (global) batch size.
+            length: int or `None`. The samples' length (axis 1 of the
+                inputs), for an estimate made with `lengths`. Defaults to
+                `None`, the data's own.
+
+        Returns:
+            The predicted peak in bytes.
+
+        Raises:
+            ValueError: If `length` is given to an estimate made without
+                `lengths`.
+        """
+        batch_size = _checks.integer("batch_size", batch_size, 1)
+        per_sample = self.per_sample_bytes_at(length)
+        return int(math.ceil(self.fixed_bytes + per_sample * batch_size))
+
+    def spare_bytes(self, batch_size: int, length: int | None = None) -> int:
+        """The room `max_batch_size` keeps beside the predicted peak."""
+        scale = self.per_sample_bytes_at(length) / self.per_sample_bytes
+        largest = self.largest_tensor_bytes * scale * batch_size
+        return int(math.ceil(SPARE_TENSORS * largest))
+
+    def _fits(self, batch_size, length, usable) -> bool:
+        peak = self.peak_bytes(batch_size, length)
+        return peak + self.spare_bytes(batch_size, length) <= usable
+
+    def per_sample_bytes_at(self, length: int | None = None) -> float:
+        """The per-sample part at `length` (the data's own for `None`)."""
+        if length is None or length == self.length:
+            return self.per_sample_bytes
+        length = _checks.integer("length", length, 1)
+        if not self.length_coefficients:
+            raise ValueError(
+                "`length` needs an estimate with a second dimension: pass "
+                "`lengths` to `estimate_memory`. Received: "
+                f"length={length}"
+            )
+        return self.per_sample_bytes * (
+            polynomial(self.length_coefficients, length)
+            / polynomial(self.length_coefficients, self.length)
+        )
+
+    def max_batch_size(
+        self,
+        limit_bytes: int | None = None,
+        headroom: float = memory.HEADROOM,
+        multiple: int = 1,
+        length: int | None = None,
+    ) -> int:
+        """The largest batch whose predicted peak leaves `headroom` free.
+
+        Args:
+            limit_bytes: int or `None`. The memory to fit in; lets you ask
+                about a device you do not have ("would batch 512 fit a
+                16 GiB card?"). Defaults to `None`, the measured device's
+                `limit_bytes`.
+            headroom: float. The fraction of the limit to leave free, in
+                [0, 1), for what the line does not see: the allocator's
+                fragmentation, a different convolution algorithm at a
+                larger size, other work on the device. Defaults to 0.1.
+            multiple: int. Round down to a multiple of this (the number
+                of replicas, say). Defaults to 1.
+            length: int or `None`. The samples' length, as in
+                `peak_bytes`. Defaults to `None`, the data's own.
+
+        Returns:
+            The batch size, or 0 when not even `multiple` samples are
+            predicted to fit.
+
+        Raises:
+            ValueError: If an argument is out of range, or `limit_bytes`
+                is `None` and the device's limit is unknown.
+
+        Example:
+        >>> estimate.max_batch_size(limit_bytes=16 * 1024**3, multiple=8)
+        4096
+        """
+        if limit_bytes is None:
+            limit_bytes = self.limit_bytes
+            if limit_bytes is None:
+                raise ValueError(
+                    f"`limit_bytes` is required: the memory limit of "
+                    f"{self.device} is unknown. Received: limit_bytes=None"
+                )
+        limit_bytes = _checks.integer("limit_bytes", limit_bytes, 1)
+        headroom = _checks.fraction("headroom", headroom)
+        multiple = _checks.integer("multiple", multiple, 1)
+        usable = memory.usable_bytes(limit_bytes, headroom)
+        if not self._fits(multiple, length, usable):
+            return 0
+        low, high = multiple, 2 * multiple
+        while self._fits(high, length, usable):
+            low, high = high, 2 * high
+        while high - low > 1:  # The peak grows with the batch: bisect.
+            middle = (low + high) // 2
+            if self._fits(middle, length, usable):
+                low = middle
+            else:
+                high = middle
+        return low - low % multiple
+
+    def max_length(
+        self,
+        batch_size: int = 1,
+        limit_bytes: int | None = None,
+        headroom: float = memory.HEADROOM,
+    ) -> int:
+        """The longest samples of which `batch_size` are predicted to fit.
+
+        For an estimate made with `lengths`.
+
+        Args:
+            batch_size: int. How many samples. Defaults to 1.
+            limit_bytes: int or `None`. As in `max_batch_size`.
+            headroom: float. As in `max_batch_size`.
+
+        Returns:
+            The length, or 0 when not even length 1 fits.
+        """
+        batch_size = _checks.integer("batch_size", batch_size, 1)
+        if not self.length_coefficients:
+            raise ValueError(
+                "`max_length` needs an estimate with a second dimension: "
+                "pass `lengths` to `estimate_memory`."
+            )
+        if limit_bytes is None:
+            limit_bytes = self.limit_bytes
+        if limit_bytes is None:
+            raise ValueError(
+                f"`limit_bytes` is required: the memory limit of "
+                f"{self.device} is unknown. Received: limit_bytes=None"
+            )
+        usable = memory.usable_bytes(
+            limit_bytes, _checks.fraction("headroom", headroom)
+        )
+        if self.peak_bytes(batch_size, 1) > usable:
+            return 0
+        low, high = 1, 2
+        while self.peak_bytes(batch_size, high) <= usable:
+            low, high = high, 2 * high
+        while high - low > 1:  # The cost grows with the length: bisect.
+            middle = (low + high) // 2
+            if self.peak_bytes(batch_size, middle) <= usable:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def __str__(self) -> str:
+        limit = (
+            "limit unknown"
+            if self.limit_bytes is None
+            else f"limit {mib(self.limit_bytes)}"
+        )
+        lines = [
+            f"MemoryEstimate on {self.device} ({limit})",
+            f"  peak = {mib(self.fixed_bytes)} + "
+            f"{self.per_sample_bytes / 1024:.1f} KiB x batch",
+            f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
+        ]
+        for size, peak in self.measurements:
+            predicted = self.peak_bytes(size)
+            lines.append(
+                f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
+                f"{100 * (predicted - peak) / peak:+.1f}%"
+            )
+        if self.length_coefficients:
+            c0, c1, c2 = self.length_coefficients
+            lines.insert(
+                2,
+                f"  per sample at length l: proportional to {c0:.4g} + "
+                f"{c1:.4g} l + {c2:.4g} l^2 (data's length {self.length})",
+            )
+            for size, length, peak in self.length_measurements:
+                predicted = self.peak_bytes(size, length)
+                lines.append(
+                    f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
+                    f"{100 * (predicted - peak) / peak:+.1f}%  "
+                    f"(length {length})"
+                )
+        if self.limit_bytes is not None:
+            lines.append(
+                f"  largest batch with {100 * memory.HEADROOM:.0f}% headroom: "
+                f"{self.max_batch_size()}"
+            )
+        return "\n".join(lines)
