@@ -838,6 +838,53 @@ class FindMaxBatchSizeTest(tf.test.TestCase):
             self.assertAllEqual(variable.numpy(), np.zeros(variable.shape))
 
 
+# Arrays large against everything else in the process, and a model that
+# is small against them: what `fit` adds shows in the peak RSS.
+_HOST_ROWS, _HOST_FEATURES = 65536, 1024  # 256 MiB of float32.
+
+
+def peak_rss_of_fit_on_arrays(wrapper: bool, shuffle: bool) -> dict:
+    """Peak RSS of two epochs on large arrays, plain or through tfmemsafe."""
+    import resource
+
+    x = np.random.default_rng(0).random((_HOST_ROWS, _HOST_FEATURES), "f4")
+    y = (x[:, 0] > 0.5).astype("f4")
+    model = keras.Sequential(
+        [keras.Input((_HOST_FEATURES,)), keras.layers.Dense(1)]
+    )
+    model.compile("sgd", "mse")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fit = tfmemsafe.fit if wrapper else model.fit
+    arguments = dict(batch_size=4096, epochs=2, shuffle=shuffle, verbose=0)
+    if wrapper:
+        fit(model, (x, y), preflight=False, **arguments)
+    else:
+        fit(x, y, **arguments)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"before": before * 1024, "peak": after * 1024}
+
+
+class HostMemoryTest(parameterized.TestCase, tf.test.TestCase):
+    """What `tfmemsafe.fit` adds to the host memory of `model.fit`."""
+
+    @parameterized.parameters(True, False)
+    def test_array_epochs_make_no_copy_of_the_arrays(self, shuffle):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            plain, wrapped = pool.map(
+                lambda wrapper: testing.run_in_subprocess(
+                    peak_rss_of_fit_on_arrays, args=[wrapper, shuffle]
+                ),
+                [False, True],
+            )
+        arrays = _HOST_ROWS * _HOST_FEATURES * 4
+        # A copy of the arrays would add 256 MiB; allow a quarter of it
+        # for what else differs (the estimate's absence, thread stacks).
+        extra = (wrapped["peak"] - wrapped["before"]) - (
+            plain["peak"] - plain["before"]
+        )
+        self.assertLess(extra, arrays / 4, msg=(plain, wrapped))
+
+
 class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(
         ("string", "images/"),

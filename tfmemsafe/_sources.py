@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmemsafe import _checks
@@ -176,6 +177,7 @@ class Arrays(Source):
             self.x, self.y, self.sample_weight = (*data, None)[:3]
         else:
             self.x, self.y, self.sample_weight = data, None, None
+        self._tensors = None
         _check_cardinality(
             argument,
             {"x": self.x, "y": self.y, "sample_weight": self.sample_weight},
@@ -194,11 +196,88 @@ class Arrays(Source):
     def keras_arguments(
         self, batch_size: int, skip: int = 0, order=None
     ) -> dict:
+        tensors = self.tensors()
+        if tensors is None:
+            return self._array_arguments(batch_size, skip, order)
+        return {"x": self._batches(tensors, batch_size, skip, order)}
+
+    def tensors(self):
+        """The arrays as host tensors, converted once for the whole run.
+
+        Keras' array adapter converts `x`, `y` and `sample_weight` to
+        tensors at the start of every `model.fit`, `evaluate` and
+        `predict` call (floats cast to `floatx`). tfmemsafe calls `fit`
+        once per epoch and again after each out-of-memory error, so it
+        converts them here, once, the same way, and each call gathers its
+        batches from these tensors by index. An epoch's order is then a
+        permutation of row indices, never a copy of the arrays; and nothing
+        is converted between an out-of-memory error and the retry, where a
+        host-to-device conversion that fails for lack of memory ends the
+        process inside TensorFlow instead of raising.
+
+        Returns:
+            `(x, y, sample_weight)` as tensors (`y` and `sample_weight`
+            possibly `None`), or `None` when a leaf is of a kind Keras
+            slices itself (sparse or ragged tensors, SciPy matrices):
+            those are passed to Keras as arrays.
+        """
+        if self._tensors is None:
+            parts = (self.x, self.y, self.sample_weight)
+            leaves = keras.tree.flatten(parts)
+            if not all(leaf is None or _is_dense(leaf) for leaf in leaves):
+                self._tensors = False
+            else:
+                with tf.device("CPU:0"):
+                    self._tensors = tuple(
+                        None
+                        if part is None
+                        else keras.tree.map_structure(
+                            _host_tensor, keras.tree.lists_to_tuples(part)
+                        )
+                        for part in parts
+                    )
+        return self._tensors or None
+
+    def _batches(self, tensors, batch_size: int, skip: int, order):
+        """The batches of `tensors` in `order` from row `skip`, as Keras'
+        array adapter makes them (a parallel gather, prefetched)."""
+        parts = tuple(part for part in tensors if part is not None)
+        if order is None:
+            rows = np.arange(skip, self.num_samples, dtype=np.int64)
+        else:
+            rows = np.asarray(order, np.int64)[skip:]
+        # Full batches of a static size, then the partial one, as Keras
+        # batches arrays: the step is traced at the same shapes.
+        full = len(rows) // batch_size * batch_size
+        indices = tf.data.Dataset.from_tensor_slices(
+            rows[:full].reshape(-1, batch_size)
+        )
+        if full < len(rows):
+            remainder = tf.data.Dataset.from_tensors(rows[full:])
+            indices = indices.concatenate(remainder)
+        data = tf.data.Dataset.from_tensors(parts).repeat()
+
+        def gather(index, parts):
+            return keras.tree.map_structure(
+                lambda t: tf.gather(t, index), parts
+            )
+
+        dataset = tf.data.Dataset.zip((indices, data)).map(
+            gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+        )
+        options = tf.data.Options()
+        options.experimental_optimization.apply_default_optimizations = False
+        return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+    def _array_arguments(self, batch_size, skip, order) -> dict:
+        """The arrays themselves, for Keras to convert and slice."""
+
         def rows(part):
             if part is None:
                 return None
             return keras.tree.map_structure(
-                lambda a: (a if order is None else a[order])[skip:], part
+                lambda a: (a if order is None else _take(a, order))[skip:],
+                part,
             )
 
         if not self.labelled:
@@ -228,26 +307,36 @@ class Arrays(Source):
         )
 
     def validation_arguments(self, batch_size: int) -> dict:
+        tensors = self.tensors()
+        if tensors is not None:
+            batches = self._batches(tensors, batch_size, 0, None)
+            return {"validation_data": batches}
         return {
             "validation_data": tuple(self.data),
             "validation_batch_size": batch_size,
         }
 
     def trial_arguments(self, batch_size: int, steps: int) -> dict:
-        # The whole arrays are passed, not a slice: Keras holds them in
-        # device memory, and the trial must need what training will.
+        # Batches of the whole arrays, not of a slice: training holds them
+        # all, and the trial must need what training will.
+        tensors = self.tensors()
+        if tensors is not None:
+            batches = self._batches(tensors, batch_size, 0, None)
+            return {"x": batches.repeat().take(steps), "shuffle": False}
         arguments = self.keras_arguments(batch_size)
         arguments.update(shuffle=False, steps_per_epoch=steps)
         return arguments
 
     def num_batches(self, arguments: dict) -> int:
+        if isinstance(arguments["x"], tf.data.Dataset):
+            return super().num_batches(arguments)
         split = arguments.get("validation_split") or 0.0
         rows = num_rows(arguments["x"])  # The rest, when resumed.
         rows = math.floor(rows * (1.0 - split))
         return math.ceil(rows / arguments["batch_size"])
 
     def resident_bytes(self) -> int:
-        # Keras converts the whole arrays to tensors for `fit`.
+        # Their tensors (`tensors`) stay for the whole run.
         leaves = keras.tree.flatten((self.x, self.y, self.sample_weight))
         return sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves)
 
@@ -354,6 +443,30 @@ def _check_cardinality(argument: str, parts: dict) -> None:
             f"`{argument}` must all hold the same number of samples. "
             f"Received: {received}"
         )
+
+
+def _is_dense(leaf) -> bool:
+    """Whether `Arrays.tensors` converts `leaf` (else Keras slices it)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf.dtype != object or all(isinstance(e, str) for e in leaf)
+    return isinstance(leaf, tf.Tensor)  # Not sparse, not ragged.
+
+
+def _host_tensor(leaf):
+    """`leaf` as a tensor, floats cast to `floatx` as Keras casts them."""
+    tensor = tf.convert_to_tensor(leaf)
+    if tensor.dtype.is_floating and tensor.dtype.name != keras.config.floatx():
+        tensor = tf.cast(tensor, keras.config.floatx())
+    return tensor
+
+
+def _take(array, order):
+    """The rows of `array` in `order`."""
+    if tf.is_tensor(array):
+        return tf.gather(array, order)
+    if hasattr(array, "iloc"):  # pandas: rows by position, not columns.
+        return array.iloc[order]
+    return array[order]
 
 
 def _is_arrays(x) -> bool:

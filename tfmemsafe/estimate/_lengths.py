@@ -48,11 +48,14 @@ def resized_arguments(source, batch_size: int, length: int, steps: int):
 
 def _batches(source, batch_size: int):
     if isinstance(source, _sources.Arrays):
-        parts = tuple(
-            part
-            for part in (source.x, source.y, source.sample_weight)
-            if part is not None
+        # The run's tensors (`Arrays.tensors`); sparse or ragged arrays
+        # as they are.
+        tensors = source.tensors() or (
+            source.x,
+            source.y,
+            source.sample_weight,
         )
+        parts = tuple(part for part in tensors if part is not None)
         dataset = tf.data.Dataset.from_tensor_slices(parts)
         return dataset.repeat().batch(batch_size, drop_remainder=True)
     return source.dataset(batch_size, repeat=True)

@@ -181,11 +181,17 @@ class Probe:
         self.data_bytes = 0
         self._arrays = None
         if isinstance(source, _sources.Arrays):
-            # Converted once, outside every probe's window, and counted:
-            # Keras' own conversion in each probe's `fit` lands in the
-            # allocator or not (a NumPy buffer can be used in place), a
-            # 24 MiB swing between processes on a small conv net's data.
-            parts = [source.x, source.y, source.sample_weight]
+            # Copied once into the allocator, outside every probe's
+            # window, and counted: a tensor converted from NumPy may use
+            # the array's buffer in place or not, a 24 MiB swing between
+            # processes on a small conv net's data. From the run's
+            # tensors (`Arrays.tensors`): an op's copy raises when memory
+            # is short, where converting an array can end the process.
+            parts = source.tensors() or (
+                source.x,
+                source.y,
+                source.sample_weight,
+            )
             self._arrays = tuple(
                 None
                 if part is None
