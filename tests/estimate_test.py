@@ -533,6 +533,10 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
         # Batch 100: 100 * (l / 64) MB must stay under 800 MB.
         self.assertEqual(estimate.max_length(100), 512)
         self.assertEqual(estimate.max_length(100, limit_bytes=50 * _MB), 0)
+        with self.assertRaisesRegex(ValueError, r"^`limit_bytes` must be"):
+            estimate.max_length(100, limit_bytes=0)
+        with self.assertRaisesRegex(ValueError, r"^`headroom` must be"):
+            estimate.max_length(100, headroom=1.5)
 
     def test_a_length_needs_an_estimate_made_with_lengths(self):
         with self.assertRaisesRegex(ValueError, r"^`length` needs"):

@@ -147,17 +147,8 @@ class MemoryEstimate:
         >>> estimate.max_batch_size(limit_bytes=16 * 1024**3, multiple=8)
         4096
         """
-        if limit_bytes is None:
-            limit_bytes = self.limit_bytes
-            if limit_bytes is None:
-                raise ValueError(
-                    f"`limit_bytes` is required: the memory limit of "
-                    f"{self.device} is unknown. Received: limit_bytes=None"
-                )
-        limit_bytes = _checks.integer("limit_bytes", limit_bytes, 1)
-        headroom = _checks.fraction("headroom", headroom)
+        usable = self._usable_bytes(limit_bytes, headroom)
         multiple = _checks.integer("multiple", multiple, 1)
-        usable = memory.usable_bytes(limit_bytes, headroom)
         if not self._fits(multiple, length, usable):
             return 0
         low, high = multiple, 2 * multiple
@@ -170,6 +161,19 @@ class MemoryEstimate:
             else:
                 high = middle
         return low - low % multiple
+
+    def _usable_bytes(self, limit_bytes, headroom) -> int:
+        """What a limit leaves usable; the measured device's for `None`."""
+        if limit_bytes is None:
+            limit_bytes = self.limit_bytes
+            if limit_bytes is None:
+                raise ValueError(
+                    f"`limit_bytes` is required: the memory limit of "
+                    f"{self.device} is unknown. Received: limit_bytes=None"
+                )
+        limit_bytes = _checks.integer("limit_bytes", limit_bytes, 1)
+        headroom = _checks.fraction("headroom", headroom)
+        return memory.usable_bytes(limit_bytes, headroom)
 
     def max_length(
         self,
@@ -195,16 +199,7 @@ class MemoryEstimate:
                 "`max_length` needs an estimate with a second dimension: "
                 "pass `lengths` to `estimate_memory`."
             )
-        if limit_bytes is None:
-            limit_bytes = self.limit_bytes
-        if limit_bytes is None:
-            raise ValueError(
-                f"`limit_bytes` is required: the memory limit of "
-                f"{self.device} is unknown. Received: limit_bytes=None"
-            )
-        usable = memory.usable_bytes(
-            limit_bytes, _checks.fraction("headroom", headroom)
-        )
+        usable = self._usable_bytes(limit_bytes, headroom)
         if self.peak_bytes(batch_size, 1) > usable:
             return 0
         low, high = 1, 2
