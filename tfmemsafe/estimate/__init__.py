@@ -14,6 +14,7 @@ from tfmemsafe.estimate._estimate import estimate_source
 from tfmemsafe.estimate._graph import bound_terms
 from tfmemsafe.estimate._probe import devices_of
 from tfmemsafe.estimate._probe import state_bytes
+from tfmemsafe.estimate._result import largest_fitting
 
 __all__ = [
     "MemoryEstimate",
@@ -21,5 +22,6 @@ __all__ = [
     "devices_of",
     "estimate_memory",
     "estimate_source",
+    "largest_fitting",
     "state_bytes",
 ]

@@ -18,6 +18,24 @@ from tfmemsafe.estimate._lengths import polynomial
 SPARE_TENSORS = 1
 
 
+def largest_fitting(fits, start: int) -> int:
+    """The largest `n >= start` with `fits(n)`, for `fits(start)` true.
+
+    `fits` must be true up to some size and false beyond it (a peak grows
+    with the batch and the length): doubling from `start`, then bisecting.
+    """
+    low, high = start, 2 * start
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """The peak memory of a training step as a line in the batch size.
@@ -151,15 +169,9 @@ class MemoryEstimate:
         multiple = _checks.integer("multiple", multiple, 1)
         if not self._fits(multiple, length, usable):
             return 0
-        low, high = multiple, 2 * multiple
-        while self._fits(high, length, usable):
-            low, high = high, 2 * high
-        while high - low > 1:  # The peak grows with the batch: bisect.
-            middle = (low + high) // 2
-            if self._fits(middle, length, usable):
-                low = middle
-            else:
-                high = middle
+        low = largest_fitting(
+            lambda size: self._fits(size, length, usable), multiple
+        )
         return low - low % multiple
 
     def _usable_bytes(self, limit_bytes, headroom) -> int:
@@ -202,16 +214,9 @@ class MemoryEstimate:
         usable = self._usable_bytes(limit_bytes, headroom)
         if self.peak_bytes(batch_size, 1) > usable:
             return 0
-        low, high = 1, 2
-        while self.peak_bytes(batch_size, high) <= usable:
-            low, high = high, 2 * high
-        while high - low > 1:  # The cost grows with the length: bisect.
-            middle = (low + high) // 2
-            if self.peak_bytes(batch_size, middle) <= usable:
-                low = middle
-            else:
-                high = middle
-        return low
+        return largest_fitting(
+            lambda length: self.peak_bytes(batch_size, length) <= usable, 1
+        )
 
     def __str__(self) -> str:
         limit = (

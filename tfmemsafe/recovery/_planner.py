@@ -237,16 +237,9 @@ def _largest_predicted(made, headroom: float) -> int:
     """The largest batch `_predicted_to_fit` with `headroom`, or 0."""
     if not _predicted_to_fit(made, 1, headroom):
         return 0
-    low, high = 1, 2
-    while _predicted_to_fit(made, high, headroom):
-        low, high = high, 2 * high
-    while high - low > 1:  # The peak grows with the batch: bisect.
-        middle = (low + high) // 2
-        if _predicted_to_fit(made, middle, headroom):
-            low = middle
-        else:
-            high = middle
-    return low
+    return estimate_lib.largest_fitting(
+        lambda size: _predicted_to_fit(made, size, headroom), 1
+    )
 
 
 class _StaticBound:
