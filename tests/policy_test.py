@@ -383,7 +383,7 @@ def _jump_with_a_pinned_estimate(replicas=1):
         mock.patch.object(
             _planner.estimate_lib, "bound_terms", return_value=None
         ),
-        mock.patch.object(_planner, "_held_bytes", return_value=0),
+        mock.patch.object(_planner.estimate_lib, "held_bytes", return_value=0),
     ):
         history = tfmemsafe.fit(
             model,

@@ -13,6 +13,7 @@ from tfmemsafe.estimate._estimate import estimate_memory
 from tfmemsafe.estimate._estimate import estimate_source
 from tfmemsafe.estimate._graph import bound_terms
 from tfmemsafe.estimate._probe import devices_of
+from tfmemsafe.estimate._probe import held_bytes
 from tfmemsafe.estimate._probe import state_bytes
 from tfmemsafe.estimate._result import largest_fitting
 
@@ -22,6 +23,7 @@ __all__ = [
     "devices_of",
     "estimate_memory",
     "estimate_source",
+    "held_bytes",
     "largest_fitting",
     "state_bytes",
 ]

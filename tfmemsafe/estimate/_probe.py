@@ -21,8 +21,10 @@ What makes a reading the same in every process, whatever ran before:
   or the lowest of a few steps catches a rare schedule in some processes
   and not in others; the median is the common one in all. What a rarer
   schedule adds is left to the headroom (docs/memory-estimate.md);
-- the probe sizes depend on the device's limit and the model's state,
-  not on what happens to be in use.
+- the probe sizes are fixed, and where they stop depends on the device's
+  limit, the model's state and the slopes; only a probe that would not
+  fit beside what is in use now is left out (`Probe.room_for`), for
+  safety, and that does depend on what else is held.
 """
 
 from __future__ import annotations
@@ -208,9 +210,7 @@ class Probe:
             limit = self.limits.get(device)
             if not limit:
                 continue
-            current = _current_bytes(device)
-            held = max(current - self.state_bytes, 0)
-            if held + peak_bytes > limit:
+            if held_bytes(device, self.state_bytes) + peak_bytes > limit:
                 return False
         return True
 
@@ -312,6 +312,11 @@ def _copied(array):
 
 def _current_bytes(device) -> int:
     return memory.memory_info(device, include_limit=False).current_bytes or 0
+
+
+def held_bytes(device, state_bytes: int) -> int:
+    """What is in use on `device` besides the model's state, now."""
+    return max(_current_bytes(device) - state_bytes, 0)
 
 
 class _StepPeaks(keras.callbacks.Callback):

@@ -212,16 +212,10 @@ def _over(size: int, ran_out: int | None) -> bool:
     return ran_out is not None and size >= ran_out
 
 
-def _held_bytes(device: str, state_bytes: int) -> int:
-    """What is in use on `device` besides the model's state, now."""
-    current = memory.memory_info(device, include_limit=False).current_bytes
-    return max((current or 0) - state_bytes, 0)
-
-
 def _predicted_peak(made, batch_size: int) -> float:
     """The predicted peak and its spare room, beside what something else
     holds now."""
-    held = _held_bytes(made.device, made.state_bytes)
+    held = estimate_lib.held_bytes(made.device, made.state_bytes)
     return made.peak_bytes(batch_size) + made.spare_bytes(batch_size) + held
 
 
@@ -272,6 +266,8 @@ class _StaticBound:
         per_replica = -(-batch_size // self.replicas)
         bound = self.fixed + self.per_sample * per_replica
         return all(
-            memory.fits_within(bound + _held_bytes(d, self.state_bytes), limit)
+            memory.fits_within(
+                bound + estimate_lib.held_bytes(d, self.state_bytes), limit
+            )
             for d, limit in self.limits.items()
         )
