@@ -6,12 +6,25 @@ optimizer state `fit` restores after a failed epoch), it also keeps the
 accumulation windows whole, the global seed generator and each
 per-replica part of a distributed variable, and the attributes `fit`
 replaces.
+
+Both keep the values in a `_DiskCopy`: files in a temporary directory,
+written and read back in pieces of at most 16 MiB by TensorFlow ops. So
+the host memory they take does not grow with the model (a host copy of
+a 1B-parameter model's Adam state would be 12 GB), and putting a value
+back never converts a host array to a tensor: that conversion ends the
+process inside TensorFlow when memory is short, where an op raises.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
+
 import keras
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 from tfmemsafe.accumulation import GradientAccumulator
@@ -55,24 +68,25 @@ class ModelState:
         if generator is not None:
             variables.append(generator.state)
         self.model = model
-        self.parts = []
-        seen = set()
+        parts = {}
         for variable in variables:
             for part in _local_parts(variable):
-                if id(part) not in seen:
-                    seen.add(id(part))
-                    self.parts.append((part, np.array(part.numpy(), copy=True)))
+                parts.setdefault(id(part), part)
+        self.copy = _DiskCopy([(part, [part]) for part in parts.values()])
         self.attributes = {
             name: getattr(model, name, None) for name in self._ATTRIBUTES
         }
 
     def restore(self) -> None:
-        for part, value in self.parts:
-            part.assign(value)
+        self.copy.restore()
         for name, value in self.attributes.items():
             setattr(self.model, name, value)
         # Keras' cached validation iterator; Keras has no public way to drop it.
         self.model._eval_epoch_iterator = None
+
+    def close(self) -> None:
+        """Deletes the saved values; `restore` cannot be called after."""
+        self.copy.close()
 
 
 def _local_parts(variable) -> list:
@@ -91,12 +105,12 @@ def _local_parts(variable) -> list:
 
 
 class Snapshot:
-    """Host copies of a model's variables and its optimizers', to put back.
+    """A model's variables and its optimizers', saved to put back.
 
     The optimizers are the compiled one and any the model holds as
-    attributes (a GAN's `generator_optimizer`, say). Copies are per
-    variable, so under `tf.distribute` a mirrored variable is read once
-    and assigned back to every replica.
+    attributes (a GAN's `generator_optimizer`, say). Under `tf.distribute`
+    a mirrored variable is read once (from its first replica) and put
+    back on every replica.
     """
 
     def __init__(self, model: keras.Model):
@@ -113,12 +127,13 @@ class Snapshot:
             variables += each.variables
         self.model = model
         self.unbuilt = [each for each in optimizers if not each.built]
-        self.variables = list({id(v): v for v in variables}.values())
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+        unique = {id(v): v for v in variables}.values()
+        self.copy = _DiskCopy(
+            [(parts[0], parts) for parts in map(_local_parts, unique)]
+        )
 
     def restore(self) -> None:
-        for variable, value in zip(self.variables, self.values, strict=True):
-            variable.assign(value)
+        self.copy.restore()
         for optimizer in self.unbuilt:
             if optimizer.built:
                 logging.warning(
@@ -134,6 +149,85 @@ class Snapshot:
         # of an epoch it is empty.
         for accumulator in gradient_accumulators_of(self.model):
             accumulator.reset()
+
+    def close(self) -> None:
+        """Deletes the saved values; `restore` cannot be called after."""
+        self.copy.close()
+
+
+# The largest piece of a variable written or read at once: the host (and,
+# on a GPU, the device) memory a copy needs beyond the model.
+_PIECE_BYTES = 16 * 2**20
+
+
+class _DiskCopy:
+    """Variables' values in files, to put back in pieces.
+
+    Each piece is a row range of one variable, written by TensorFlow's
+    checkpoint writer (`SaveV2`) straight from the variable's memory on a
+    CPU: a slice of whole rows is a view there, and the writer copies
+    nothing to host memory. On a GPU each piece is copied to the host
+    before it is written, one at a time.
+
+    Args:
+        entries: list of `(source, targets)`: the `tf.Variable` read, and
+            the `tf.Variable`s its value is put back into.
+    """
+
+    def __init__(self, entries):
+        self.directory = tempfile.mkdtemp(prefix="tfmemsafe-state-")
+        # Deleted with this object at the latest, also after an exception.
+        self._delete = weakref.finalize(
+            self, shutil.rmtree, self.directory, ignore_errors=True
+        )
+        self.pieces = []
+        for source, targets in entries:
+            value = source.read_value()
+            for begin, end in _pieces(value):
+                path = os.path.join(self.directory, str(len(self.pieces)))
+                piece = value if begin is None else value[begin:end]
+                tf.raw_ops.SaveV2(
+                    prefix=path,
+                    tensor_names=["value"],
+                    shape_and_slices=[""],
+                    tensors=[piece],
+                )
+                self.pieces.append((path, source.dtype, begin, end, targets))
+            del value
+
+    def restore(self) -> None:
+        for path, dtype, begin, end, targets in self.pieces:
+            (piece,) = tf.raw_ops.RestoreV2(
+                prefix=path,
+                tensor_names=["value"],
+                shape_and_slices=[""],
+                dtypes=[dtype],
+            )
+            for target in targets:
+                if begin is None:
+                    target.assign(piece)
+                else:
+                    target[begin:end].assign(piece)
+
+    def close(self) -> None:
+        self._delete()
+
+
+def _pieces(value) -> list:
+    """`(begin, end)` row ranges of `value` of at most `_PIECE_BYTES`.
+
+    `(None, None)` for the whole value: a scalar, or one that small. A
+    single row larger than that is one piece.
+    """
+    size = value.dtype.size * int(np.prod(value.shape))
+    if value.shape.rank == 0 or size <= _PIECE_BYTES:
+        return [(None, None)]
+    rows = value.shape[0]
+    per_piece = max(1, _PIECE_BYTES * rows // size)
+    return [
+        (begin, min(rows, begin + per_piece))
+        for begin in range(0, rows, per_piece)
+    ]
 
 
 def gradient_accumulators_of(model) -> list:

@@ -299,6 +299,7 @@ class Probe:
 
     def close(self) -> None:
         self.state.restore()
+        self.state.close()
         self._arrays = None
 
 

@@ -274,6 +274,7 @@ class _Trial:
 
     def close(self) -> None:
         self.snapshot.restore()
+        self.snapshot.close()
         self.model.history = self.history
         release(self.model)
 

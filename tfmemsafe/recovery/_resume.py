@@ -16,7 +16,10 @@ from tfmemsafe._model_state import Snapshot
 
 
 class EpochStart(keras.callbacks.Callback):
-    """Keeps the state the current epoch started with, to go back to it."""
+    """Keeps the state the current epoch started with, to go back to it.
+
+    The copy is on disk (`Snapshot`), replaced at each epoch's start.
+    """
 
     def __init__(self):
         super().__init__()
@@ -26,13 +29,21 @@ class EpochStart(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         # A retry starts at the epoch it has just restored: no new copy.
         if epoch != self.epoch:
-            self.snapshot = Snapshot(self.model)
+            previous, self.snapshot = self.snapshot, Snapshot(self.model)
             self.epoch = epoch
+            if previous is not None:
+                previous.close()
 
     def restore(self) -> None:
         """Puts back the state of the start of the epoch, if one began."""
         if self.snapshot is not None:
             self.snapshot.restore()
+
+    def close(self) -> None:
+        """Deletes the copy: the run is over."""
+        if self.snapshot is not None:
+            self.snapshot.close()
+            self.snapshot = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,7 +109,10 @@ class FitRun:
 
     def train(self) -> FitHistory:
         self._begin()
-        retry_on_oom(self.model, self._attempt, self._on_oom, self._recover)
+        try:
+            retry_on_oom(self.model, self._attempt, self._on_oom, self._recover)
+        finally:
+            self.epoch_start.close()
         self.callbacks.end_run(self.position.last_logs)
         self.history.batch_size = self.policy.batch_size(TRAINING)
         return self.history
