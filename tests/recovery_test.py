@@ -375,8 +375,44 @@ def mirrored_strategy_under_cap():
     }
 
 
+def xla_model_under_cap():
+    """A step compiled by XLA runs out on the CPU: no retry, a clear error.
+
+    TensorFlow's CPU allocator is inconsistent after it, and this process
+    aborts when it exits: the result is written before.
+    """
+    x, y = _images(2048)
+    model = _conv_net()
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    batches = []
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: batches.append(batch)
+    )
+    try:
+        tfmemsafe.fit(
+            model,
+            (x, y),
+            batch_size=2048,
+            preflight=False,
+            callbacks=[counter],
+            verbose=0,
+        )
+    except tfmemsafe.OutOfMemoryError as err:
+        return {
+            "error": str(err),
+            "cause": type(err.__cause__).__name__,
+            "attempts": len(batches),
+        }
+    return {"error": None}
+
+
 _SCENARIOS = {
     conv_net_under_cap: _CAP_MB,
+    xla_model_under_cap: _CAP_MB,
     accumulating_model_under_cap: _CAP_MB,
     model_too_big_for_the_cap: _CAP_MB,
     predict_and_evaluate_under_cap: _CAP_MB,
@@ -1008,6 +1044,16 @@ class RealOutOfMemoryTest(tf.test.TestCase):
 
     def result(self, scenario):
         return self._results[scenario].result()
+
+    def test_xla_on_the_cpu_is_not_retried_and_says_why(self):
+        result = self.result(xla_model_under_cap)
+        self.assertIsNotNone(result["error"], msg=result)
+        self.assertStartsWith(
+            result["error"], "Out of memory in a step compiled with XLA"
+        )
+        self.assertIn("jit_compile=False", result["error"])
+        self.assertEqual(result["cause"], "ResourceExhaustedError")
+        self.assertEqual(result["attempts"], 1)  # The first step, once.
 
     def test_fit_finishes_every_epoch_where_plain_fit_runs_out(self):
         result = self.result(conv_net_under_cap)

@@ -20,6 +20,7 @@ import keras
 from tfmemsafe import _checks
 from tfmemsafe import memory
 from tfmemsafe._sources import source_for
+from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._planner import SizePlanner
 from tfmemsafe.recovery._policy import SizeDecision
 from tfmemsafe.recovery._policy import SizePolicy
@@ -37,7 +38,9 @@ def retry_on_oom(
     """Runs `attempt()` until it returns, recovering from each OOM.
 
     Any error that `memory.is_oom_error` does not recognise, and
-    `KeyboardInterrupt`, propagates at once, unchanged.
+    `KeyboardInterrupt`, propagates at once, unchanged. An out-of-memory
+    error of a model compiled with XLA on the CPU is not retried
+    (`OutOfMemoryError`, see `_refuse_xla_on_cpu`).
 
     Args:
         model: keras.Model. The model whose compiled functions are dropped
@@ -62,11 +65,43 @@ def retry_on_oom(
         except Exception as err:
             if not memory.is_oom_error(err):
                 raise
+            _refuse_xla_on_cpu(model, err)
             failure = on_oom(err)
         release(model)
         result = recover(failure)
         if result is not None:
             return result
+
+
+def _refuse_xla_on_cpu(model: keras.Model, err: Exception) -> None:
+    """Raises `OutOfMemoryError` if `err` came from XLA on the CPU.
+
+    An allocation that fails inside a step compiled by XLA for the CPU
+    leaves TensorFlow's CPU allocator inconsistent (TensorFlow 2.21:
+    "Check failed: h != kInvalidChunkHandle" in bfc_allocator.cc when a
+    buffer is freed later): the next use of the model's variables, or the
+    process's exit, aborts it. Nothing can be put back or retried in this
+    process, so nothing is tried: the error says why and what to do. On a
+    GPU, XLA reports a failed allocation as an ordinary error and the run
+    recovers as any other.
+    """
+    if getattr(model, "jit_compile", False) is not True:
+        return
+    with model.distribute_strategy.scope():
+        devices = memory.default_devices()
+    if any(not device.startswith("CPU") for device in devices):
+        return
+    raise OutOfMemoryError(
+        "Out of memory in a step compiled with XLA (`jit_compile=True`) "
+        "on the CPU. TensorFlow cannot go on in this process after that: "
+        "its CPU allocator is left inconsistent, and the next use of the "
+        "model or the end of the process aborts it, so tfmemsafe does not "
+        "retry and the model is not put back. Instead, restart the process "
+        "and compile with `jit_compile=False` (then an out-of-memory error "
+        "is recovered in the process), or train at a smaller batch size "
+        "(`tfmemsafe.find_max_batch_size` on the model compiled without "
+        "XLA finds one)."
+    ) from err
 
 
 def release(model: keras.Model) -> None:
