@@ -25,8 +25,8 @@ one failing allocation, which TensorFlow's BFC allocator, like the GPU's,
 spends about ten seconds waiting for memory to be freed). The run fails if
 a variant did not take its path (the `OOMEvent`'s `resumed_at_step`).
 
-It also times the host copy of every variable that `tfmemsafe.fit` takes
-at the start of each epoch, for a 25M-parameter model with Adam.
+What the copy of the model that `tfmemsafe.fit` keeps at each epoch's
+start costs on large models is measured by benchmarks/scale.py.
 
 Example:
     python benchmarks/resume.py --steps=40
@@ -155,37 +155,6 @@ def allocator_wait():
     return time.perf_counter() - start
 
 
-def snapshot_seconds(parameters=25_000_000):
-    """The epoch-start host copy for a model of `parameters` with Adam.
-
-    What `tfmemsafe.fit` does at each epoch's start and after an error:
-    every variable of the model and of its optimizer copied to NumPy, and
-    assigned back.
-    """
-    import keras
-    import numpy as np
-
-    width = 5000
-    model = keras.Sequential(
-        [keras.Input((width,)), keras.layers.Dense(parameters // width)]
-    )
-    model.compile("adam", "mse")
-    model.optimizer.build(model.trainable_variables)
-    variables = model.variables + model.optimizer.variables
-
-    def take():
-        return [np.array(v.numpy(), copy=True) for v in variables]
-
-    take()  # Warm-up.
-    start = time.perf_counter()
-    values = take()
-    taken = time.perf_counter() - start
-    start = time.perf_counter()
-    for variable, value in zip(variables, values, strict=True):
-        variable.assign(value)
-    return model.count_params(), taken, time.perf_counter() - start
-
-
 def main(argv):
     del argv  # Unused.
     from tfmemsafe import testing
@@ -230,11 +199,6 @@ def main(argv):
             f"| {result['iterations']} | {result['wall']:.1f} | "
             f"{result['cpu']:.1f} | {cpu_ratio:.2f} | {extra:.1f} |"
         )
-    parameters, taken, restored = snapshot_seconds()
-    print(
-        f"\nEpoch-start host copy of {parameters / 1e6:.0f}M parameters and "
-        f"Adam's state: {taken:.2f} s to take, {restored:.2f} s to put back."
-    )
 
 
 if __name__ == "__main__":
