@@ -410,9 +410,32 @@ def xla_model_under_cap():
     return {"error": None}
 
 
+def xla_batch_search_under_cap():
+    """`find_max_batch_size` on an XLA model: the first error ends it."""
+    x, y = _images(2048)
+    model = _conv_net()
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    try:
+        tfmemsafe.find_max_batch_size(
+            model,
+            (x, y),
+            start=2048,
+            max_batch_size=2048,
+            memory_estimate=False,  # So that the first trial runs out.
+        )
+    except tfmemsafe.OutOfMemoryError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
 _SCENARIOS = {
     conv_net_under_cap: _CAP_MB,
     xla_model_under_cap: _CAP_MB,
+    xla_batch_search_under_cap: _CAP_MB,
     accumulating_model_under_cap: _CAP_MB,
     model_too_big_for_the_cap: _CAP_MB,
     predict_and_evaluate_under_cap: _CAP_MB,
@@ -1054,6 +1077,15 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertIn("jit_compile=False", result["error"])
         self.assertEqual(result["cause"], "ResourceExhaustedError")
         self.assertEqual(result["attempts"], 1)  # The first step, once.
+
+    def test_xla_on_the_cpu_ends_the_batch_search_untouched(self):
+        # Putting the model back after the failed trial would end the
+        # process; the child returning at all shows it was not.
+        result = self.result(xla_batch_search_under_cap)
+        self.assertIsNotNone(result["error"], msg=result)
+        self.assertStartsWith(
+            result["error"], "Out of memory in a step compiled with XLA"
+        )
 
     def test_fit_finishes_every_epoch_where_plain_fit_runs_out(self):
         result = self.result(conv_net_under_cap)

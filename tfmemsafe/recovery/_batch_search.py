@@ -17,6 +17,7 @@ from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._planner import SizePlanner
+from tfmemsafe.recovery._retry import ModelUnusableError
 from tfmemsafe.recovery._retry import release
 from tfmemsafe.recovery._retry import retry_on_oom
 
@@ -195,6 +196,9 @@ class _Trial:
         }
         self.window = memory.PeakWindow(self.devices)
         self.warned = False
+        # False after an error that leaves the model unusable: nothing is
+        # put back then, as that would use it.
+        self.usable = True
 
     def fits(self, batch_size: int, last_chance: bool = False) -> bool:
         """Whether `batch_size` trains and leaves the headroom free.
@@ -236,9 +240,13 @@ class _Trial:
             trained = retry_on_oom(
                 self.model, train, give_up_if_last_chance, ran_out
             )
+        except ModelUnusableError:
+            self.usable = False
+            raise
         finally:
-            self.snapshot.restore()
-            release(self.model)
+            if self.usable:
+                self.snapshot.restore()
+                release(self.model)
         if trained:
             self.planner.record_trained("training", self.source, batch_size)
         return trained and self._peak_leaves_headroom(batch_size)
@@ -273,10 +281,11 @@ class _Trial:
         )
 
     def close(self) -> None:
-        self.snapshot.restore()
+        if self.usable:
+            self.snapshot.restore()
+            self.model.history = self.history
+            release(self.model)
         self.snapshot.close()
-        self.model.history = self.history
-        release(self.model)
 
 
 def _round_down(size: int, multiple: int, good: int) -> int:

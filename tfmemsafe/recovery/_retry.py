@@ -40,7 +40,7 @@ def retry_on_oom(
     Any error that `memory.is_oom_error` does not recognise, and
     `KeyboardInterrupt`, propagates at once, unchanged. An out-of-memory
     error of a model compiled with XLA on the CPU is not retried
-    (`OutOfMemoryError`, see `_refuse_xla_on_cpu`).
+    (`ModelUnusableError`, see `_refuse_xla_on_cpu`).
 
     Args:
         model: keras.Model. The model whose compiled functions are dropped
@@ -73,8 +73,16 @@ def retry_on_oom(
             return result
 
 
+class ModelUnusableError(OutOfMemoryError):
+    """The `OutOfMemoryError` after which the model must not be touched.
+
+    Callers that put a model back after a failure (`find_max_batch_size`'s
+    trials) skip that for this error.
+    """
+
+
 def _refuse_xla_on_cpu(model: keras.Model, err: Exception) -> None:
-    """Raises `OutOfMemoryError` if `err` came from XLA on the CPU.
+    """Raises `ModelUnusableError` if `err` came from XLA on the CPU.
 
     An allocation that fails inside a step compiled by XLA for the CPU
     leaves TensorFlow's CPU allocator inconsistent (TensorFlow 2.21:
@@ -91,7 +99,7 @@ def _refuse_xla_on_cpu(model: keras.Model, err: Exception) -> None:
         devices = memory.default_devices()
     if any(not device.startswith("CPU") for device in devices):
         return
-    raise OutOfMemoryError(
+    raise ModelUnusableError(
         "Out of memory in a step compiled with XLA (`jit_compile=True`) "
         "on the CPU. TensorFlow cannot go on in this process after that: "
         "its CPU allocator is left inconsistent, and the next use of the "
