@@ -375,6 +375,17 @@ def mirrored_strategy_under_cap():
     }
 
 
+def _xla_conv_net():
+    """The conv net, its training step compiled with XLA."""
+    model = _conv_net()
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    return model
+
+
 def xla_model_under_cap():
     """A step compiled by XLA runs out on the CPU: no retry, a clear error.
 
@@ -382,12 +393,7 @@ def xla_model_under_cap():
     aborts when it exits: the result is written before.
     """
     x, y = _images(2048)
-    model = _conv_net()
-    model.compile(
-        keras.optimizers.Adam(3e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=True,
-    )
+    model = _xla_conv_net()
     batches = []
     counter = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda batch, logs: batches.append(batch)
@@ -413,12 +419,7 @@ def xla_model_under_cap():
 def xla_batch_search_under_cap():
     """`find_max_batch_size` on an XLA model: the first error ends it."""
     x, y = _images(2048)
-    model = _conv_net()
-    model.compile(
-        keras.optimizers.Adam(3e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=True,
-    )
+    model = _xla_conv_net()
     try:
         tfmemsafe.find_max_batch_size(
             model,
