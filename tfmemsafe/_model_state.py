@@ -155,19 +155,21 @@ class Snapshot:
         self.copy.close()
 
 
-# The largest piece of a variable written or read at once: the host (and,
-# on a GPU, the device) memory a copy needs beyond the model.
+# The most written or read at once: the host (and, on a GPU, the device)
+# memory a copy needs beyond the model, give or take one piece.
 _PIECE_BYTES = 16 * 2**20
 
 
 class _DiskCopy:
     """Variables' values in files, to put back in pieces.
 
-    Each piece is a row range of one variable, written by TensorFlow's
-    checkpoint writer (`SaveV2`) straight from the variable's memory on a
-    CPU: a slice of whole rows is a view there, and the writer copies
-    nothing to host memory. On a GPU each piece is copied to the host
-    before it is written, one at a time.
+    Each piece is a row range of one variable. Pieces are written by
+    TensorFlow's checkpoint writer (`SaveV2`), several to a file up to
+    `_PIECE_BYTES` (one call per file: a model of many small variables
+    takes a few calls, not one per variable), straight from the
+    variables' memory on a CPU: a slice of whole rows is a view there,
+    and the writer copies nothing to host memory. On a GPU the pieces of
+    one file are copied to the host before it is written.
 
     Args:
         entries: list of `(source, targets)`: the `tf.Variable` read, and
@@ -180,37 +182,56 @@ class _DiskCopy:
         self._delete = weakref.finalize(
             self, shutil.rmtree, self.directory, ignore_errors=True
         )
-        self.pieces = []
+        self.files = []  # (path, [(dtype, begin, end, targets)]).
+        tensors, pieces, size = [], [], 0
         for source, targets in entries:
             value = source.read_value()
             for begin, end in _pieces(value):
-                path = os.path.join(self.directory, str(len(self.pieces)))
                 piece = value if begin is None else value[begin:end]
-                tf.raw_ops.SaveV2(
-                    prefix=path,
-                    tensor_names=["value"],
-                    shape_and_slices=[""],
-                    tensors=[piece],
-                )
-                self.pieces.append((path, source.dtype, begin, end, targets))
+                tensors.append(piece)
+                pieces.append((source.dtype, begin, end, targets))
+                size += _bytes(piece)
+                if size >= _PIECE_BYTES:
+                    self._write(tensors, pieces)
+                    tensors, pieces, size = [], [], 0
             del value
+        if tensors:
+            self._write(tensors, pieces)
+
+    def _write(self, tensors, pieces) -> None:
+        path = os.path.join(self.directory, str(len(self.files)))
+        tf.raw_ops.SaveV2(
+            prefix=path,
+            tensor_names=[str(i) for i in range(len(tensors))],
+            shape_and_slices=[""] * len(tensors),
+            tensors=tensors,
+        )
+        self.files.append((path, pieces))
 
     def restore(self) -> None:
-        for path, dtype, begin, end, targets in self.pieces:
-            (piece,) = tf.raw_ops.RestoreV2(
+        for path, pieces in self.files:
+            values = tf.raw_ops.RestoreV2(
                 prefix=path,
-                tensor_names=["value"],
-                shape_and_slices=[""],
-                dtypes=[dtype],
+                tensor_names=[str(i) for i in range(len(pieces))],
+                shape_and_slices=[""] * len(pieces),
+                dtypes=[dtype for dtype, *_ in pieces],
             )
-            for target in targets:
-                if begin is None:
-                    target.assign(piece)
-                else:
-                    target[begin:end].assign(piece)
+            for value, (_, begin, end, targets) in zip(
+                values, pieces, strict=True
+            ):
+                for target in targets:
+                    if begin is None:
+                        target.assign(value)
+                    else:
+                        target[begin:end].assign(value)
+            del values
 
     def close(self) -> None:
         self._delete()
+
+
+def _bytes(value) -> int:
+    return value.dtype.size * int(np.prod(value.shape))
 
 
 def _pieces(value) -> list:
@@ -219,7 +240,7 @@ def _pieces(value) -> list:
     `(None, None)` for the whole value: a scalar, or one that small. A
     single row larger than that is one piece.
     """
-    size = value.dtype.size * int(np.prod(value.shape))
+    size = _bytes(value)
     if value.shape.rank == 0 or size <= _PIECE_BYTES:
         return [(None, None)]
     rows = value.shape[0]
