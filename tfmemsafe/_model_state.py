@@ -8,7 +8,7 @@ per-replica part of a distributed variable, and the attributes `fit`
 replaces.
 
 Both keep the values in a `_DiskCopy`: files in a temporary directory,
-written and read back in pieces of at most 16 MiB by TensorFlow ops. So
+written and read back about 16 MiB at a time by TensorFlow ops. So
 the host memory they take does not grow with the model (a host copy of
 a 1B-parameter model's Adam state would be 12 GB), and putting a value
 back never converts a host array to a tensor: that conversion ends the
