@@ -30,8 +30,10 @@ def error_line(error: BaseException | str) -> str:
     """The line of an error worth showing: the one that says what ran out.
 
     TensorFlow's first line is often generic ("Graph execution error:"), so
-    the first line that mentions OOM, RESOURCE_EXHAUSTED or memory wins;
-    else the first line. At most 300 characters.
+    the first line that mentions OOM or RESOURCE_EXHAUSTED wins, then the
+    first that mentions memory, leaving out the lines of the traceback
+    TensorFlow quotes (`File "train.py", line 9, in fit_in_memory`); else
+    the first line. At most 300 characters.
     """
     if isinstance(error, BaseException):
         text = getattr(error, "message", None) or str(error)
@@ -39,7 +41,9 @@ def error_line(error: BaseException | str) -> str:
     else:
         text, fallback = error, ""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in lines:
-        if "OOM" in line or "RESOURCE_EXHAUSTED" in line or "memory" in line:
-            return line[:_MAX_LINE]
+    said = [line for line in lines if not line.startswith('File "')]
+    for words in (("OOM", "RESOURCE_EXHAUSTED"), ("memory",)):
+        for line in said:
+            if any(word in line for word in words):
+                return line[:_MAX_LINE]
     return lines[0][:_MAX_LINE] if lines else fallback
