@@ -86,6 +86,77 @@ def shuffle_seeds(dataset) -> list:
     ]
 
 
+def for_keras(dataset, *, one_worker: bool):
+    """`dataset` as tfmemsafe hands it to Keras: it raises when memory
+    runs out, where TensorFlow (2.21 and before) would end the process.
+
+    Two things in tf.data segfault when an allocation fails, in plain
+    `model.fit` too; each is measured under a real cap in recovery_test:
+
+    - tf.data's default graph optimizations rewrite a pipeline each time
+      an iterator is made (each `fit`, `evaluate` and `predict` call,
+      which tfmemsafe makes once per epoch and once per retry), and the
+      rewrite allocates a copy of every array the pipeline holds (32 MiB
+      for 24 MiB of `from_tensor_slices` images): when that allocation
+      fails, the process ends. They are turned off
+      (`apply_default_optimizations=False`) unless the pipeline sets
+      them itself; their `inject_prefetch` is replaced by a final
+      `prefetch(tf.data.AUTOTUNE)`.
+    - When a batching transformation (`batch`, `padded_batch`,
+      `rebatch`) cannot allocate its batch, it returns the error with the
+      unallocated tensor still in its output, and a `prefetch` that reads
+      that output (straight after it, or through `take`, `skip`, `repeat`
+      or an assertion, which hand the output on) asks the allocator for
+      the size of a null buffer. A pass-through `map` hands on the error
+      alone: one ends the pipeline, before its final prefetch, which is
+      kept at its buffer size.
+
+    - Under a `tf.distribute` strategy Keras distributes the pipeline, and
+      TensorFlow rewrites it once more to shard it between workers
+      (`auto_shard_policy`), with the same copy. With `one_worker`, where
+      there is nothing to shard, sharding is turned off.
+
+    A batching followed by a prefetch earlier in the user's pipeline is
+    left as it is.
+
+    Args:
+        dataset: The `tf.data.Dataset` of batches to give Keras.
+        one_worker: bool. Whether the job is known to run on one worker.
+    """
+    optimization = dataset.options().experimental_optimization
+    node = dataset
+    while type(node).__name__ == "_OptionsDataset":
+        node = getattr(node, "_input_dataset", None)
+    inner = getattr(node, "_input_dataset", None)
+    buffer_size = tf.get_static_value(getattr(node, "_buffer_size", None))
+    if (
+        type(node).__name__ == "_PrefetchDataset"
+        and inner is not None
+        and buffer_size is not None
+    ):
+        options = dataset.options()
+        dataset = _passed_through(inner).prefetch(int(buffer_size))
+        dataset = dataset.with_options(options)
+    else:
+        dataset = _passed_through(dataset).prefetch(tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    if optimization.apply_default_optimizations is None:
+        options.experimental_optimization.apply_default_optimizations = False
+    if one_worker:
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF
+        )
+    return dataset.with_options(options)
+
+
+def _passed_through(dataset):
+    # `map` calls its function with a tuple's parts (exactly a tuple, not
+    # a namedtuple) and with anything else as one argument.
+    if type(dataset.element_spec) is tuple:
+        return dataset.map(lambda *parts: parts)
+    return dataset.map(lambda part: part)
+
+
 def dataset_nodes(dataset):
     """The transformations of a pipeline, from the last to the sources."""
     # tf.data has no public graph walk: `_input_dataset` and `_datasets`

@@ -19,12 +19,13 @@ import tensorflow as tf
 
 from tfmemsafe import _checks
 from tfmemsafe import _pipelines
+from tfmemsafe.distribute import is_multi_worker
 
 # Keras' default batch size, used for arrays and unbatched datasets.
 DEFAULT_BATCH_SIZE = 32
 
 
-def source_for(data, argument: str, *, labelled: bool) -> Source:
+def source_for(data, argument: str, *, labelled: bool, strategy=None) -> Source:
     """The source for `data`, passed as `argument`.
 
     Args:
@@ -32,10 +33,18 @@ def source_for(data, argument: str, *, labelled: bool) -> Source:
         argument: str. The name the user passed it as, for messages.
         labelled: bool. Whether arrays come as `(x, y[, sample_weight])`
             (training and evaluation) rather than inputs alone (predict).
+        strategy: The model's `tf.distribute.Strategy`. On one worker the
+            pipelines given to Keras are not sharded (`_pipelines`).
 
     Raises:
         TypeError: If `data` is of no accepted kind.
     """
+    source = _source_for(data, argument, labelled)
+    source.one_worker = strategy is not None and not is_multi_worker(strategy)
+    return source
+
+
+def _source_for(data, argument: str, labelled: bool) -> Source:
     if isinstance(data, tf.data.Dataset):
         batched, batch_size = _pipelines.batching_of(data)
         if batched:
@@ -69,7 +78,11 @@ class Source:
         argument: str. The name it was passed as, for messages.
         batch_size: int or `None`. The size a batched dataset comes in;
             `None` for the other kinds, or when it cannot be read.
+        one_worker: bool. Whether the job is known to run on one worker:
+            then nothing shards the pipelines.
     """
+
+    one_worker = False
 
     def __init__(self, data, argument: str, batch_size: int | None = None):
         self.data = data
@@ -120,7 +133,10 @@ class Source:
         if skip and skip % batch_size == 0:
             dataset = dataset.skip(skip // batch_size)
         elif skip:
-            dataset = dataset.unbatch().skip(skip).batch(batch_size)
+            dataset = _pipelines.for_keras(
+                dataset.unbatch().skip(skip).batch(batch_size),
+                one_worker=self.one_worker,
+            )
         return {"x": dataset}
 
     def validation_arguments(self, batch_size: int) -> dict:
@@ -265,9 +281,7 @@ class Arrays(Source):
         dataset = tf.data.Dataset.zip((indices, data)).map(
             gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
         )
-        options = tf.data.Options()
-        options.experimental_optimization.apply_default_optimizations = False
-        return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+        return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 
     def _array_arguments(self, batch_size, skip, order) -> dict:
         """The arrays themselves, for Keras to convert and slice."""
@@ -362,7 +376,9 @@ class UnbatchedDataset(Source):
 
     def dataset(self, batch_size: int, *, repeat: bool = False):
         dataset = self.data.repeat() if repeat else self.data
-        return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+        return _pipelines.for_keras(
+            dataset.batch(batch_size), one_worker=self.one_worker
+        )
 
 
 class BatchedDataset(Source):
@@ -379,7 +395,8 @@ class BatchedDataset(Source):
 
     def dataset(self, batch_size: int, *, repeat: bool = False):
         if batch_size == self.batch_size and not repeat:
-            return self.data  # The user's pipeline, as it is.
+            # The user's pipeline, as it is but for its end.
+            return _pipelines.for_keras(self.data, one_worker=self.one_worker)
         dataset = self.data.repeat() if repeat else self.data
         dataset = dataset.rebatch(batch_size)
         rows = None if repeat else _pipelines.rows_of_batched(self.data)
@@ -391,7 +408,7 @@ class BatchedDataset(Source):
                     math.ceil(rows / batch_size)
                 )
             )
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 
 
 class DatasetCallable(Source):
@@ -423,7 +440,9 @@ class DatasetCallable(Source):
                 f"called with a batch size. Received: "
                 f"{self.argument}({batch_size}) = {dataset!r:.80}"
             )
-        return dataset.repeat() if repeat else dataset
+        if repeat:
+            dataset = dataset.repeat()
+        return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 
 
 def _check_cardinality(argument: str, parts: dict) -> None:

@@ -109,7 +109,9 @@ def estimate_memory(
     181.3
     """
     _checks.compiled_model(model, "estimate_memory")
-    source = source_for(data, "data", labelled=True)
+    source = source_for(
+        data, "data", labelled=True, strategy=model.distribute_strategy
+    )
     replicas = model.distribute_strategy.num_replicas_in_sync
     if batch_sizes is not None:
         batch_sizes = _check_batch_sizes(batch_sizes, replicas)

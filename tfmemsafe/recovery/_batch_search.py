@@ -93,7 +93,9 @@ def find_max_batch_size(
     _checks.integer("steps_per_trial", steps_per_trial, 1)
     _checks.fraction("headroom", headroom)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
-    source = source_for(data, "data", labelled=True)
+    source = source_for(
+        data, "data", labelled=True, strategy=model.distribute_strategy
+    )
     planner = SizePlanner(
         model, "tfmemsafe.find_max_batch_size", memory_estimate=memory_estimate
     )

@@ -171,11 +171,12 @@ def fit(
                 "e.g. data=(x, y, sample_weight). "
                 f"Received: {name}={fit_kwargs[name]!r:.60}"
             )
-    train_source = source_for(data, "data", labelled=True)
+    strategy = model.distribute_strategy
+    train_source = source_for(data, "data", labelled=True, strategy=strategy)
     validation_source = None
     if validation_data is not None:
         validation_source = source_for(
-            validation_data, "validation_data", labelled=True
+            validation_data, "validation_data", labelled=True, strategy=strategy
         )
     preflight = _checks.boolean("preflight", preflight)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)

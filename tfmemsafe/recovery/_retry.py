@@ -153,7 +153,12 @@ class SinglePhase:
         self.phase = phase
         self.caller = caller
         self.model = model
-        self.source = source_for(data, "data", labelled=labelled)
+        self.source = source_for(
+            data,
+            "data",
+            labelled=labelled,
+            strategy=model.distribute_strategy,
+        )
         self.source.sample_signature()  # Now, not while memory is full.
         size = self.source.resolve_batch_size(batch_size)
         _checks.start_sizes(min_batch_size, batch_size=size)

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmemsafe import _checks
+from tfmemsafe import _pipelines
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.checkpointing import Checkpointed
 
@@ -237,7 +238,9 @@ def random_data(
         x = rng.normal(size=(rows, *shape)).astype("float32")
         y = (x.reshape(rows, -1)[:, 0] > 0).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    return lambda batch_size: dataset.batch(batch_size).prefetch(1)
+    return lambda batch_size: _pipelines.for_keras(
+        dataset.batch(batch_size).prefetch(1), one_worker=False
+    )
 
 
 def random_images(

@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
+from tfmemsafe import _pipelines
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.transfer._backbones import FEATURES_LAYER
 
@@ -383,4 +384,4 @@ def _batched_features(dataset, head, batch_size, shuffle, argument):
         count = int(dataset.cardinality())
         buffer = count if 0 < count <= _MAX_SHUFFLE_BUFFER else None
         dataset = dataset.shuffle(buffer or _MAX_SHUFFLE_BUFFER)
-    return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+    return _pipelines.for_keras(dataset.batch(batch_size), one_worker=False)
