@@ -8,15 +8,17 @@ per-replica part of a distributed variable, and the attributes `fit`
 replaces.
 
 Both keep the values in a `_DiskCopy`: files in a temporary directory,
-written and read back about 16 MiB at a time by TensorFlow ops. So
-the host memory they take does not grow with the model (a host copy of
-a 1B-parameter model's Adam state would be 12 GB), and putting a value
+written and read back about 16 MiB at a time (1 MiB when memory is
+short) by TensorFlow ops. So the host memory they take does not grow
+with the model (a host copy of a 1B-parameter model's Adam state would
+be 12 GB), and putting a value
 back never converts a host array to a tensor: that conversion ends the
 process inside TensorFlow when memory is short, where an op raises.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -155,18 +157,23 @@ class Snapshot:
         self.copy.close()
 
 
+# The largest saved piece: what putting a value back needs free at least.
+# (Reading a slice of a larger saved tensor does not help: with 4 MB free,
+# TensorFlow 2.21 failed to read 1 MiB of a 16 MiB one, "Bad address".)
+_PIECE_BYTES = 2**20
 # The most written or read at once: the host (and, on a GPU, the device)
 # memory a copy needs beyond the model, give or take one piece.
-_PIECE_BYTES = 16 * 2**20
+_FILE_BYTES = 16 * 2**20
 
 
 class _DiskCopy:
     """Variables' values in files, to put back in pieces.
 
-    Each piece is a row range of one variable. Pieces are written by
-    TensorFlow's checkpoint writer (`SaveV2`), several to a file up to
-    `_PIECE_BYTES` (one call per file: a model of many small variables
-    takes a few calls, not one per variable), straight from the
+    Each piece is a row range of one variable, of at most `_PIECE_BYTES`.
+    Pieces are written by TensorFlow's checkpoint writer (`SaveV2`),
+    several to a file up to `_FILE_BYTES` (one call per file: a model of
+    many small variables takes a few calls, not one per variable),
+    straight from the
     variables' memory on a CPU: a slice of whole rows is a view there,
     and the writer copies nothing to host memory. On a GPU the pieces of
     one file are copied to the host before it is written.
@@ -182,16 +189,16 @@ class _DiskCopy:
         self._delete = weakref.finalize(
             self, shutil.rmtree, self.directory, ignore_errors=True
         )
-        self.files = []  # (path, [(dtype, begin, end, targets)]).
+        self.files = []  # (path, [(dtype, begin, targets)]).
         tensors, pieces, size = [], [], 0
         for source, targets in entries:
             value = source.read_value()
             for begin, end in _pieces(value):
                 piece = value if begin is None else value[begin:end]
                 tensors.append(piece)
-                pieces.append((source.dtype, begin, end, targets))
+                pieces.append((source.dtype, begin, targets))
                 size += _bytes(piece)
-                if size >= _PIECE_BYTES:
+                if size >= _FILE_BYTES:
                     self._write(tensors, pieces)
                     tensors, pieces, size = [], [], 0
             del value
@@ -209,25 +216,59 @@ class _DiskCopy:
         self.files.append((path, pieces))
 
     def restore(self) -> None:
+        """Puts every value back, a file's pieces at a time.
+
+        Where a file's pieces cannot be read at once (after an
+        out-of-memory error, while something else still holds memory,
+        16 MiB may not be free), they are read one by one. A
+        `ResourceExhaustedError` is raised only where even one piece (at
+        most `_PIECE_BYTES`) cannot be read.
+        """
         for path, pieces in self.files:
-            values = tf.raw_ops.RestoreV2(
-                prefix=path,
-                tensor_names=[str(i) for i in range(len(pieces))],
-                shape_and_slices=[""] * len(pieces),
-                dtypes=[dtype for dtype, *_ in pieces],
-            )
-            for value, (_, begin, end, targets) in zip(
-                values, pieces, strict=True
-            ):
-                for target in targets:
-                    if begin is None:
-                        target.assign(value)
-                    else:
-                        target[begin:end].assign(value)
+            try:
+                values = _read(path, range(len(pieces)), pieces)
+            except tf.errors.ResourceExhaustedError:
+                gc.collect()
+                for index, piece in enumerate(pieces):
+                    (value,) = _read(path, [index], [piece])
+                    _put(value, piece)
+                    del value
+                continue
+            for value, piece in zip(values, pieces, strict=True):
+                _put(value, piece)
             del values
 
     def close(self) -> None:
         self._delete()
+
+
+def _read(path: str, indices, pieces) -> list:
+    """The saved pieces `indices` of file `path`, as tensors."""
+    return tf.raw_ops.RestoreV2(
+        prefix=path,
+        tensor_names=[str(i) for i in indices],
+        shape_and_slices=[""] * len(pieces),
+        dtypes=[dtype for dtype, *_ in pieces],
+    )
+
+
+def _put(value, piece) -> None:
+    """Assigns a saved piece's `value` back to its variables."""
+    _, begin, targets = piece
+    for target in targets:
+        if begin is None:
+            target.assign(value)
+        else:
+            # Not `target[begin:end].assign(value)`: that reads the whole
+            # variable first, which may copy it (16 MiB that a short
+            # memory did not have, measured).
+            tf.raw_ops.ResourceStridedSliceAssign(
+                ref=target.handle,
+                begin=[begin],
+                end=[begin + value.shape[0]],
+                strides=[1],
+                value=value,
+            )
 
 
 def _bytes(value) -> int:
