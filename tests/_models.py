@@ -131,3 +131,20 @@ def machine_memory(num_bytes):
             )
         )
     return stack
+
+
+def two_cpu_devices():
+    """Splits the CPU into two logical devices, CPU:0 and CPU:1.
+
+    Only in a child process, before TensorFlow initialises its devices.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+
+
+def mirrored_on_two_cpus():
+    """A `MirroredStrategy` over two logical CPU devices (a child only)."""
+    two_cpu_devices()
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])

@@ -3,6 +3,7 @@
 import os
 import tempfile
 
+import _models
 import keras
 import numpy as np
 import tensorflow as tf
@@ -573,11 +574,7 @@ def train_under_mixed_precision():
 
 def train_under_mirrored_strategy():
     """Child: two replicas, with and without checkpointing."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy = _models.mirrored_on_two_cpus()
     x, y = _data(64)
     models = []
     for checkpointed in (False, True):

@@ -321,11 +321,7 @@ def find_max_batch_size_under_cap():
 
 def mirrored_strategy_under_cap():
     """Two replicas: a global batch too large, then an exact resume."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy = _models.mirrored_on_two_cpus()
     x, y = _images(2048)
     with strategy.scope():
         model = _conv_net()
@@ -433,6 +429,175 @@ def xla_batch_search_under_cap():
     return {"error": None}
 
 
+class _HeldUntilNextStep(keras.callbacks.Callback):
+    """Fills the allocator at one step; lets go when the next step begins.
+
+    Like a tensor that something else in the process keeps from one step
+    to the next (a callback's copy of a batch's outputs, say): the step
+    runs out of memory with the allocator full, and all that tfmemsafe
+    does between the error and the retry (putting the epoch back, making
+    the data's iterator again, estimating) has next to no memory. With
+    `forever`, it never lets go, and the run has to give up. `leave_mb`
+    megabytes (the last taken, side by side) are let go at once.
+    """
+
+    def __init__(self, epoch, step, forever=False, leave_mb=0):
+        super().__init__()
+        self.at = (epoch, step)
+        self.forever = forever
+        self.leave_mb = leave_mb
+        self.epoch = None
+        self.pieces = []
+        self.taken = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.pieces and not self.forever:
+            self.pieces = []
+        elif not self.taken and (self.epoch, batch) == self.at:
+            self.taken = True
+            try:
+                while True:
+                    self.pieces.append(tf.zeros((_MB // 4,)))
+            except tf.errors.ResourceExhaustedError:
+                pass  # Full.
+            del self.pieces[len(self.pieces) - self.leave_mb :]
+
+
+class _StateAtEpochEnd(keras.callbacks.Callback):
+    """Host copies of some variables at the end of the latest epoch."""
+
+    def __init__(self, variables):
+        super().__init__()
+        self.variables = variables
+        self.values = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.values = [v.numpy() for v in self.variables]
+
+
+def _fit_with_memory_held(
+    model, data, optimizers, forever=False, leave_mb=0, **kwargs
+):
+    """Two epochs of `tfmemsafe.fit`, the allocator full from epoch 1,
+    step 1 until the next step (or for good); what the run left."""
+    state = model.variables + [v for o in optimizers for v in o.variables]
+    held = _HeldUntilNextStep(1, 1, forever=forever, leave_mb=leave_mb)
+    counter = _StepCounter()
+    at_epoch_end = _StateAtEpochEnd(state)
+    result = {"error": None, "events": []}
+    try:
+        history = tfmemsafe.fit(
+            model,
+            data,
+            epochs=2,
+            callbacks=[held, counter, at_epoch_end],
+            verbose=0,
+            **kwargs,
+        )
+        result["events"] = [dataclasses.asdict(e) for e in history.oom_events]
+        result["epochs"] = history.epoch
+    except tfmemsafe.OutOfMemoryError as err:
+        result["error"] = str(err)
+    held.pieces = []
+    result.update(
+        steps=counter.steps,
+        iterations=[int(o.iterations.numpy()) for o in optimizers],
+        finite=all(np.isfinite(v.numpy()).all() for v in state),
+        difference_from_last_epoch_end=max(
+            float(np.max(np.abs(v.numpy() - value)))
+            for v, value in zip(state, at_epoch_end.values, strict=True)
+        ),
+    )
+    return result
+
+
+def datasets_with_memory_held_under_cap():
+    """An endless dataset with `steps_per_epoch`, and a dataset function,
+    with memory held through the recovery.
+
+    Both crashed TensorFlow before tfmemsafe hardened the pipelines it
+    gives Keras (`_pipelines.for_keras`): the rewrite of the pipeline
+    when its iterator is made, and a prefetch after a batch that could
+    not be allocated.
+    """
+    x, y = _images(1024)
+    rows = tf.data.Dataset.from_tensor_slices((x, y))
+    repeated, function = _conv_net(), _conv_net()
+    return {
+        "repeated": _fit_with_memory_held(
+            repeated,
+            rows.repeat(),
+            [repeated.optimizer],
+            batch_size=256,
+            steps_per_epoch=4,
+        ),
+        "function": _fit_with_memory_held(
+            function, rows.batch, [function.optimizer], batch_size=256
+        ),
+    }
+
+
+def two_optimizers_with_memory_held_under_cap():
+    """A model with two optimizers (as a GAN), with memory held through
+    the recovery."""
+    x, y = _models.table(4096)
+    # Its hidden activations at batch 1024 take 1 MiB, more than the
+    # largest piece of memory the hold leaves.
+    model = _two_optimizers(hidden=(256,))
+    optimizers = [model.first_optimizer, model.second_optimizer]
+    return _fit_with_memory_held(model, (x, y), optimizers, batch_size=1024)
+
+
+def large_state_with_memory_held_for_good_under_cap():
+    """Giving up with 4 MB left free: the epoch's state, in 16 MiB files,
+    is put back in slices."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((512,)),
+            keras.layers.Dense(2048, "relu"),
+            # 16 MiB of weights, and as much for each of Adam's moments.
+            keras.layers.Dense(2048, "relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.compile("adam", "sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).normal(size=(1024, 512)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    return _fit_with_memory_held(
+        model,
+        (x, y),
+        [model.optimizer],
+        forever=True,
+        leave_mb=4,
+        batch_size=256,
+        max_retries=1,
+    )
+
+
+def mirrored_strategy_with_memory_held_under_cap():
+    """Two replicas on a dataset, with memory held through the recovery."""
+    strategy = _models.mirrored_on_two_cpus()
+    x, y = _images(1024)
+    with strategy.scope():
+        model = _conv_net()
+    result = _fit_with_memory_held(
+        model,
+        tf.data.Dataset.from_tensor_slices((x, y)),
+        [model.optimizer],
+        batch_size=256,
+    )
+    variables = model.variables + model.optimizer.variables
+    result["replicas_agree"] = all(
+        all(np.array_equal(r, v.value.values[0]) for r in v.value.values)
+        for v in variables
+    )
+    return result
+
+
 _SCENARIOS = {
     conv_net_under_cap: _CAP_MB,
     xla_model_under_cap: _CAP_MB,
@@ -444,6 +609,10 @@ _SCENARIOS = {
     # Lower, so that a global batch of 1024 is well beyond what two
     # replicas can hold.
     mirrored_strategy_under_cap: 250,
+    datasets_with_memory_held_under_cap: _CAP_MB,
+    two_optimizers_with_memory_held_under_cap: _CAP_MB,
+    large_state_with_memory_held_for_good_under_cap: _CAP_MB,
+    mirrored_strategy_with_memory_held_under_cap: _CAP_MB,
 }
 
 
@@ -454,14 +623,16 @@ class _TwoOptimizers(keras.Model):
     `optimizer=None`, so `model.optimizer` knows of neither.
     """
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, hidden=()):
         super().__init__()
         keras.utils.set_random_seed(seed)
+        layers = [keras.layers.Dense(units, "relu") for units in hidden]
         self.first = keras.Sequential(
-            [keras.Input((4,)), keras.layers.Dense(1)]
+            [keras.Input((4,)), *layers, keras.layers.Dense(1)]
         )
+        layers = [keras.layers.Dense(units, "relu") for units in hidden]
         self.second = keras.Sequential(
-            [keras.Input((4,)), keras.layers.Dense(1)]
+            [keras.Input((4,)), *layers, keras.layers.Dense(1)]
         )
 
     def call(self, x):
@@ -498,8 +669,8 @@ class _TwoOptimizers(keras.Model):
         return {"loss": loss}
 
 
-def _two_optimizers():
-    model = _TwoOptimizers()
+def _two_optimizers(hidden=()):
+    model = _TwoOptimizers(hidden=hidden)
     model.compile()
     return model
 
@@ -1215,6 +1386,43 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertEqual(result["resumed_epochs"], [0, 1])
         self.assertTrue(result["replicas_agree"])
         self.assertLess(result["difference_from_reference"], 1e-6)
+
+    def assertRecoveredConsistently(self, run):
+        """One recovery, every epoch, no update lost or made twice."""
+        self.assertIsNone(run["error"], msg=run)
+        self.assertEqual(run["epochs"], [0, 1])
+        self.assertNotEmpty(run["events"])
+        self.assertRegex(run["events"][0]["error"], "OOM|allocate")
+        self.assertTrue(run["finite"])
+        for iterations in run["iterations"]:
+            self.assertEqual(iterations, sum(run["steps"]), msg=run)
+
+    def test_datasets_recover_with_memory_held_by_something_else(self):
+        result = self.result(datasets_with_memory_held_under_cap)
+        for name, run in result.items():
+            with self.subTest(name):
+                self.assertRecoveredConsistently(run)
+                self.assertEqual(run["events"][0]["epoch"], 1)
+
+    def test_two_optimizers_recover_with_memory_held(self):
+        result = self.result(two_optimizers_with_memory_held_under_cap)
+        self.assertRecoveredConsistently(result)
+
+    def test_memory_held_for_good_gives_up_and_puts_the_state_back(self):
+        # Only 4 MB are left free: the epoch's 63 MiB of state, in files of
+        # 16 MiB, are read back a piece at a time.
+        run = self.result(large_state_with_memory_held_for_good_under_cap)
+        self.assertStartsWith(run["error"], "Could not fit a training batch")
+        self.assertIn("as it was at the end of epoch 1", run["error"])
+        # 1024 rows at 256: four updates in epoch 0, none kept after.
+        self.assertEqual(run["iterations"], [4])
+        self.assertEqual(run["difference_from_last_epoch_end"], 0.0)
+        self.assertTrue(run["finite"])
+
+    def test_mirrored_strategy_recovers_with_memory_held(self):
+        result = self.result(mirrored_strategy_with_memory_held_under_cap)
+        self.assertRecoveredConsistently(result)
+        self.assertTrue(result["replicas_agree"])
 
 
 if __name__ == "__main__":
