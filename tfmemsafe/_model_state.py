@@ -19,6 +19,7 @@ process inside TensorFlow when memory is short, where an op raises.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import shutil
 import tempfile
@@ -189,14 +190,14 @@ class _DiskCopy:
         self._delete = weakref.finalize(
             self, shutil.rmtree, self.directory, ignore_errors=True
         )
-        self.files = []  # (path, [(dtype, begin, targets)]).
+        self.files = []  # (path, [(dtype, cut, targets)]).
         tensors, pieces, size = [], [], 0
         for source, targets in entries:
             value = source.read_value()
-            for begin, end in _pieces(value):
-                piece = value if begin is None else value[begin:end]
+            for cut in _cuts(value):
+                piece = value if cut is None else value[_index(cut)]
                 tensors.append(piece)
-                pieces.append((source.dtype, begin, targets))
+                pieces.append((source.dtype, cut, targets))
                 size += _bytes(piece)
                 if size >= _FILE_BYTES:
                     self._write(tensors, pieces)
@@ -254,42 +255,59 @@ def _read(path: str, indices, pieces) -> list:
 
 def _put(value, piece) -> None:
     """Assigns a saved piece's `value` back to its variables."""
-    _, begin, targets = piece
+    _, cut, targets = piece
     for target in targets:
-        if begin is None:
+        if cut is None:
             target.assign(value)
-        else:
-            # Not `target[begin:end].assign(value)`: that reads the whole
-            # variable first, which may copy it (16 MiB that a short
-            # memory did not have, measured).
-            tf.raw_ops.ResourceStridedSliceAssign(
-                ref=target.handle,
-                begin=[begin],
-                end=[begin + value.shape[0]],
-                strides=[1],
-                value=value,
-            )
+            continue
+        prefix, begin, end = cut
+        # Not `target[...].assign(value)`: that reads the whole variable
+        # first, which may copy it (16 MiB that a short memory did not
+        # have, measured).
+        tf.raw_ops.ResourceStridedSliceAssign(
+            ref=target.handle,
+            begin=[*prefix, begin],
+            end=[*(i + 1 for i in prefix), end],
+            strides=[1] * (len(prefix) + 1),
+            value=value,
+            shrink_axis_mask=(1 << len(prefix)) - 1,
+        )
 
 
 def _bytes(value) -> int:
     return value.dtype.size * int(np.prod(value.shape))
 
 
-def _pieces(value) -> list:
-    """`(begin, end)` row ranges of `value` of at most `_PIECE_BYTES`.
+def _cuts(value) -> list:
+    """Where to cut `value` in pieces of at most `_PIECE_BYTES`.
 
-    `(None, None)` for the whole value: a scalar, or one that small. A
-    single row larger than that is one piece.
+    `None` for the whole value: a scalar, or one that small. Else
+    `(prefix, begin, end)`s: the indices of the leading axes, and a range
+    along the next, the outermost axis along which one index holds no
+    more than a piece (a conv kernel `(3, 3, 512, 512)` of 9 MiB is cut
+    in nine: each `(i, j)` of its first two axes). On a CPU a piece of
+    whole rows (no prefix) is a view; others are copied, a piece at a
+    time.
     """
     size = _bytes(value)
-    if value.shape.rank == 0 or size <= _PIECE_BYTES:
-        return [(None, None)]
-    rows = value.shape[0]
-    per_piece = max(1, _PIECE_BYTES * rows // size)
+    shape = value.shape.as_list()
+    if not shape or size <= _PIECE_BYTES:
+        return [None]
+    axis, block = 0, size // shape[0]
+    while block > _PIECE_BYTES:
+        axis += 1
+        block //= shape[axis]
+    step = max(1, _PIECE_BYTES // block)
     return [
-        (begin, min(rows, begin + per_piece))
-        for begin in range(0, rows, per_piece)
+        (prefix, begin, min(shape[axis], begin + step))
+        for prefix in itertools.product(*map(range, shape[:axis]))
+        for begin in range(0, shape[axis], step)
     ]
+
+
+def _index(cut) -> tuple:
+    prefix, begin, end = cut
+    return (*prefix, slice(begin, end))
 
 
 def gradient_accumulators_of(model) -> list:
