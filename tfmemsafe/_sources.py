@@ -33,14 +33,23 @@ def source_for(data, argument: str, *, labelled: bool, strategy=None) -> Source:
         argument: str. The name the user passed it as, for messages.
         labelled: bool. Whether arrays come as `(x, y[, sample_weight])`
             (training and evaluation) rather than inputs alone (predict).
-        strategy: The model's `tf.distribute.Strategy`. On one worker the
-            pipelines given to Keras are not sharded (`_pipelines`).
+        strategy: The model's `tf.distribute.Strategy`. Where it reads
+            its data on one worker (`MirroredStrategy`, `OneDeviceStrategy`,
+            a `MultiWorkerMirroredStrategy` of one worker), the pipelines
+            given to Keras are not sharded (`_pipelines.for_keras`).
 
     Raises:
         TypeError: If `data` is of no accepted kind.
     """
     source = _source_for(data, argument, labelled)
-    source.one_worker = strategy is not None and not is_multi_worker(strategy)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        source.one_worker = not is_multi_worker(strategy)
+    else:
+        # Not a TPUStrategy, whose pod reads on several hosts.
+        source.one_worker = isinstance(
+            strategy,
+            (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy),
+        )
     return source
 
 
@@ -315,10 +324,13 @@ class Arrays(Source):
                 for p in (self.x, self.y, self.sample_weight)
             )
 
-        return (
+        parts = (
             Arrays(part(slice(None, cut)), self.argument, labelled=True),
             Arrays(part(slice(cut, None)), self.argument, labelled=True),
         )
+        for each in parts:
+            each.one_worker = self.one_worker
+        return parts
 
     def validation_arguments(self, batch_size: int) -> dict:
         tensors = self.tensors()
