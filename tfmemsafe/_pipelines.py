@@ -101,7 +101,10 @@ def for_keras(dataset, *, one_worker: bool):
       fails, the process ends. They are turned off
       (`apply_default_optimizations=False`) unless the pipeline sets
       them itself; their `inject_prefetch` is replaced by a final
-      `prefetch(tf.data.AUTOTUNE)`.
+      `prefetch(tf.data.AUTOTUNE)`. Under a `tf.distribute` strategy,
+      sharding the pipeline between workers (`auto_shard_policy`)
+      rewrites it again, with the same copy: with `one_worker`, where
+      there is nothing to shard, sharding is turned off.
     - When a batching transformation (`batch`, `padded_batch`,
       `rebatch`) cannot allocate its batch, it returns the error with the
       unallocated tensor still in its output, and a `prefetch` that reads
@@ -110,11 +113,6 @@ def for_keras(dataset, *, one_worker: bool):
       the size of a null buffer. A pass-through `map` hands on the error
       alone: one ends the pipeline, before its final prefetch, which is
       kept at its buffer size.
-
-    - Under a `tf.distribute` strategy Keras distributes the pipeline, and
-      TensorFlow rewrites it once more to shard it between workers
-      (`auto_shard_policy`), with the same copy. With `one_worker`, where
-      there is nothing to shard, sharding is turned off.
 
     A batching followed by a prefetch earlier in the user's pipeline is
     left as it is.
