@@ -323,6 +323,9 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
     def test_the_epoch_that_ran_out_reports_the_failed_step_peak(self):
         if memory.memory_info("CPU:0").peak_bytes is None:
             self.skipTest("CPU:0 keeps no allocator statistics here.")
+        # Against what is in use already: earlier tests in this process
+        # may have left tensors alive.
+        in_use = memory.memory_info("CPU:0", include_limit=False).current_bytes
         monitor = tfmemsafe.MemoryMonitor(devices="CPU:0")
         # The epoch held 64 MiB before its step 2 ran out; estimating
         # after that runs probes of a few MiB, which reset the peak.
@@ -335,7 +338,7 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
         )
         peaks = history.history["memory_peak_mb"]
         self.assertGreaterEqual(peaks[0], 64.0)
-        self.assertLess(peaks[1], 64.0)
+        self.assertLess(peaks[1], in_use / 2**20 + 64.0)
 
     def test_arrays_of_different_lengths_are_refused_as_keras_does(self):
         x, y = _models.table()
