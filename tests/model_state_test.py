@@ -33,13 +33,19 @@ def _state(model):
     return model.variables + model.optimizer.variables
 
 
+def _saved_then_overwritten(model):
+    """The model's values, and a `Snapshot` of them; then overwrites them."""
+    saved = [v.numpy() for v in _state(model)]
+    snapshot = _model_state.Snapshot(model)
+    for variable in _state(model):
+        variable.assign(tf.ones_like(variable))
+    return saved, snapshot
+
+
 class SnapshotTest(tf.test.TestCase):
     def test_puts_back_every_value_exactly(self):
         model = _conv_net()
-        saved = [v.numpy() for v in _state(model)]
-        snapshot = _model_state.Snapshot(model)
-        for variable in _state(model):
-            variable.assign(tf.ones_like(variable))
+        saved, snapshot = _saved_then_overwritten(model)
         snapshot.restore()
         snapshot.close()
         for variable, value in zip(_state(model), saved, strict=True):
@@ -48,10 +54,7 @@ class SnapshotTest(tf.test.TestCase):
     def test_pieces_read_one_at_a_time_put_back_every_value(self):
         # What `restore` does when a file's pieces cannot be read at once.
         model = _conv_net()
-        saved = [v.numpy() for v in _state(model)]
-        snapshot = _model_state.Snapshot(model)
-        for variable in _state(model):
-            variable.assign(tf.ones_like(variable))
+        saved, snapshot = _saved_then_overwritten(model)
         largest = 0
         for path, pieces in snapshot.copy.files:
             for index, piece in enumerate(pieces):

@@ -170,14 +170,14 @@ _FILE_BYTES = 16 * 2**20
 class _DiskCopy:
     """Variables' values in files, to put back in pieces.
 
-    Each piece is a row range of one variable, of at most `_PIECE_BYTES`.
-    Pieces are written by TensorFlow's checkpoint writer (`SaveV2`),
-    several to a file up to `_FILE_BYTES` (one call per file: a model of
-    many small variables takes a few calls, not one per variable),
-    straight from the
-    variables' memory on a CPU: a slice of whole rows is a view there,
-    and the writer copies nothing to host memory. On a GPU the pieces of
-    one file are copied to the host before it is written.
+    Each piece is a part of one variable of at most `_PIECE_BYTES` (see
+    `_cuts`). Pieces are written by TensorFlow's checkpoint writer
+    (`SaveV2`), several to a file up to `_FILE_BYTES` (one call per file:
+    a model of many small variables takes a few calls, not one per
+    variable). On a CPU a piece of whole rows is written straight from
+    the variable's memory (a view), and other pieces are copied, one
+    file's worth at a time; on a GPU the pieces of one file are copied to
+    the host before it is written.
 
     Args:
         entries: list of `(source, targets)`: the `tf.Variable` read, and
