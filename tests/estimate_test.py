@@ -577,6 +577,67 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
             self.assertGreaterEqual(fixed + per_sample * size, peak - 1e-6)
 
 
+class _CurveProbe:
+    """A stand-in `Probe` whose peak is a floor, then a line."""
+
+    state_bytes = 0
+
+    def __init__(self, floor, slope, bend):
+        self.curve = lambda size: floor + slope * max(size - bend, 0)
+        self.sizes = []
+
+    def run(self, size):
+        self.sizes.append(size)
+        return size, self.curve(size), "CPU:0"
+
+    def room_for(self, peak_bytes):
+        return True
+
+
+class _Unbounded:
+    num_samples = None
+
+
+class ProbeSizesTest(tf.test.TestCase):
+    """Where the default probes end: the largest size within the budget."""
+
+    def _sizes(self, probe, limit=300 * _MB):
+        from tfmemsafe.estimate import _probe
+
+        measurements = _probe.measure_default_sizes(
+            probe, _Unbounded(), 1, {"CPU:0": limit}, None
+        )
+        return [size for size, _, _ in measurements]
+
+    def test_a_size_over_the_budget_is_cut_to_fit_it(self):
+        from tfmemsafe.estimate import _probe
+
+        # A conv net's shape under a 300 MB cap: 256 is predicted past the
+        # budget, so the last probe is the largest size within it.
+        probe = _CurveProbe(50 * _MB, 0.3 * _MB, 50)
+        sizes = self._sizes(probe)
+        self.assertEqual(sizes[:3], [8, 32, 128])
+        [last] = sizes[3:]
+        self.assertBetween(last, 160, 255)
+        self.assertEqual(last % 8, 0)
+        growth = probe.curve(last) - probe.curve(0)
+        self.assertLessEqual(growth, _probe._PROBE_BUDGET * 300 * _MB)
+
+    def test_readings_a_little_apart_end_the_probes_a_little_apart(self):
+        # The same curve read 4% higher at 128: the last probe moves by a
+        # few samples, not from 256 to none.
+        low = self._sizes(_CurveProbe(50 * _MB, 0.233 * _MB, 32))
+        high = self._sizes(_CurveProbe(50 * _MB, 0.243 * _MB, 32))
+        self.assertLen(low, 4)
+        self.assertLen(high, 4)
+        self.assertLess(abs(low[-1] / high[-1] - 1), 0.15)
+
+    def test_no_probe_barely_past_the_largest(self):
+        # A budget that 128 nearly fills (64 of 72 MiB): nothing more.
+        sizes = self._sizes(_CurveProbe(50 * _MB, 0.5 * _MB, 0), 360 * _MB)
+        self.assertEqual(sizes, [8, 32, 128])
+
+
 class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     def test_uncompiled_model_is_rejected(self):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

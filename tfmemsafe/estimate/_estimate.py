@@ -60,10 +60,11 @@ def estimate_memory(
 
     With `batch_sizes=None` it chooses the probes (`_probe`): 8 (times
     the replicas), 32, 128, then doubling, at most seven; it stops before
-    a size predicted to grow the peak by more than 20% of the memory the
-    model's state leaves below the limit (so that a batch four times the
-    largest probe still fits), or that would not fit beside what is in
-    use now; and earlier, after four, once the peak has grown by 1.5
+    a size that would not fit beside what is in use now; a size
+    predicted to grow the peak by more than 20% of the memory the model's
+    state leaves below the limit is cut to the largest within it and
+    probed last (so that a batch four times the largest probe still
+    fits); and earlier, after four, once the peak has grown by 1.5
     times the second probe's and the last two slopes agree within 15%.
     Under a strategy, sizes are global and the peak is the highest of the
     replica devices.

@@ -30,6 +30,7 @@ What makes a reading the same in every process, whatever ran before:
 from __future__ import annotations
 
 import gc
+import math
 
 import keras
 import numpy as np
@@ -56,8 +57,9 @@ _PROBE_STEPS = 5
 # when
 # - the next size is predicted (by the last slope) to grow the peak over
 #   the line's value at batch 0 by more than `_PROBE_BUDGET` of the free
-#   memory, so that no probe runs out and a batch four times the largest
-#   still fits;
+#   memory (so that no probe runs out and a batch four times the largest
+#   still fits): it is then cut to the largest size within the budget
+#   and probed last (`_within_budget`);
 # - or the peak has grown by at least `_GROWN` times the second probe's
 #   (the per-sample part is a real share of it) and the last two slopes
 #   agree to `_SLOPE_AGREEMENT` (the line is straight there);
@@ -72,6 +74,8 @@ _MAX_PROBES = 7
 _PROBE_BUDGET = 0.2
 _GROWN = 1.5
 _SLOPE_AGREEMENT = 0.15
+# A last probe sized to the budget is run only this far past the largest.
+_LAST_PROBE_STEP = 1.25
 
 
 def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
@@ -88,37 +92,18 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
     probe.run(size)
     measurements = [probe.run(size)]
     free = _free_bytes(limits, probe.state_bytes)
-    while len(measurements) < _MAX_PROBES:
+    last = False
+    while len(measurements) < _MAX_PROBES and not last:
         size *= 4 if len(measurements) <= _QUADRUPLED else 2
         if samples is not None and size > samples:
             break
         if len(measurements) >= 2:
-            (s0, p0, _), (s1, p1, _), (s2, p2, _) = (
-                [(0, 0, None)] + measurements
-            )[-3:]
-            slope = (p2 - p1) / (s2 - s1)
-            before = (p1 - p0) / (s1 - s0)
-            second = measurements[1][1]
-            if (
-                len(measurements) >= _MIN_PROBES + 1
-                and p2 - second >= _GROWN * second
-                and slope > 0
-                and abs(slope - before) <= _SLOPE_AGREEMENT * slope
-            ):
+            if _straight(measurements):
                 break
-            # Growth is counted from the line's value at batch 0, not from
-            # a probe (which may sit on the floor), so that four times the
-            # probe is predicted to grow the peak by at most
-            # 4 x `_PROBE_BUDGET` of the free memory. The slope is the
-            # widest secant's, from the second probe: one step scheduled
-            # with more at once in a middle probe then moves it least.
-            if len(measurements) >= 3:
-                s1 = measurements[1][0]
-                slope = (p2 - second) / (s2 - s1)
-            slope = max(slope, 0)
-            predicted = p2 + slope * (size - s2)
-            base = min(second, max(p2 - slope * s2, 0))
-            if free is not None and predicted - base > _PROBE_BUDGET * free:
+            size, predicted, last = _within_budget(
+                measurements, size, free, replicas
+            )
+            if size is None:
                 break
             if not probe.room_for(predicted):
                 break  # Something else holds memory now: stay safe.
@@ -129,6 +114,57 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
             f"two probe batch sizes (at most {samples}). Pass `batch_sizes`."
         )
     return measurements
+
+
+def _straight(measurements) -> bool:
+    """Whether the peak has grown well past the floor along a line."""
+    (s0, p0, _), (s1, p1, _), (s2, p2, _) = ([(0, 0, None)] + measurements)[-3:]
+    slope = (p2 - p1) / (s2 - s1)
+    before = (p1 - p0) / (s1 - s0)
+    second = measurements[1][1]
+    return (
+        len(measurements) >= _MIN_PROBES + 1
+        and p2 - second >= _GROWN * second
+        and slope > 0
+        and abs(slope - before) <= _SLOPE_AGREEMENT * slope
+    )
+
+
+def _within_budget(measurements, size, free, replicas):
+    """`(size, predicted_peak, last)` for the next probe, `size` at most.
+
+    Growth is counted from the line's value at batch 0, not from a probe
+    (which may sit on the floor), so that four times the largest probe is
+    predicted to grow the peak by at most 4 x `_PROBE_BUDGET` of the free
+    memory. The slope is the widest secant's, from the second probe: one
+    step scheduled with more at once in a middle probe then moves it
+    least. A size over the budget is cut to the largest within it, and
+    that probe is the last (`last`): so where the probes end moves a
+    little with the readings, not by a factor two (a conv net's probes
+    used to end at 128 in some processes and 256 in others, and the
+    line through them differed by a quarter). `size` is `None` when not
+    even `_LAST_PROBE_STEP` times the largest probe is within it.
+    """
+    (s1, p1, _), (s2, p2, _) = measurements[-2:]
+    if len(measurements) >= 3:
+        s1, p1, _ = measurements[1]
+    slope = max((p2 - p1) / (s2 - s1), 0)
+    base = min(measurements[1][1], max(p2 - slope * s2, 0))
+    last = False
+    if free is not None and slope > 0:
+        within = s2 + (_PROBE_BUDGET * free + base - p2) / slope
+        if size > within:
+            size = _rounded_down(int(within), replicas)
+            if size < _LAST_PROBE_STEP * s2:
+                return None, None, True
+            last = True
+    return size, p2 + slope * (size - s2), last
+
+
+def _rounded_down(size: int, replicas: int) -> int:
+    """`size` down to a multiple of 8 (and of the replicas)."""
+    step = 8 * replicas // math.gcd(8, replicas)
+    return size - size % step
 
 
 def _free_bytes(limits, state_bytes) -> int | None:
