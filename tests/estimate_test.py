@@ -11,6 +11,7 @@ same estimate in five fresh processes, and in one after other work.
 """
 
 import concurrent.futures
+import dataclasses
 import os
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
@@ -550,6 +551,33 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(estimate.max_batch_size(), 533)
         self.assertEqual(estimate.peak_bytes(100), 200 * _MB)
 
+    def test_a_length_adds_to_the_fixed_part_only_past_the_data_length(self):
+        estimate = self._by_length((0.0, 1.0, 0.0))
+        estimate = dataclasses.replace(
+            estimate, length_fixed_coefficients=(0.0, 1024.0, 0.0)
+        )
+        self.assertEqual(estimate.fixed_bytes_at(128), 100 * _MB + 64 * 1024)
+        self.assertEqual(estimate.fixed_bytes_at(32), 100 * _MB)
+        self.assertEqual(estimate.fixed_bytes_at(None), 100 * _MB)
+        self.assertEqual(
+            estimate.peak_bytes(10, 128), 100 * _MB + 64 * 1024 + 20 * _MB
+        )
+
+    def test_powers_are_fitted_to_relative_errors(self):
+        from tfmemsafe.estimate import _lengths
+
+        def f(n):
+            return 1000.0 + 10 * n + n * n
+
+        lengths = [8, 24, 64, 184, 512]
+        slopes = [f(n) for n in lengths]
+        slopes[-1] *= 1.05  # One long length's reading 5% high.
+        fitted = _lengths.fit_powers(lengths, slopes, (0, 1, 2))
+        for n in lengths[:-1]:
+            self.assertLess(
+                abs(_lengths.polynomial(fitted, n) / f(n) - 1), 0.05
+            )
+
     @parameterized.named_parameters(
         ("linear", [64, 128, 256], lambda n: 5 + 2 * n, (5, 2, 0)),
         ("quadratic", [64, 128, 256], lambda n: 3 * n + n * n, (0, 3, 1)),
@@ -621,7 +649,7 @@ class ProbeSizesTest(tf.test.TestCase):
         self.assertBetween(last, 160, 255)
         self.assertEqual(last % 8, 0)
         growth = probe.curve(last) - probe.curve(0)
-        self.assertLessEqual(growth, _probe._PROBE_BUDGET * 300 * _MB)
+        self.assertLessEqual(growth, _probe.PROBE_BUDGET * 300 * _MB)
 
     def test_readings_a_little_apart_end_the_probes_a_little_apart(self):
         # The same curve read 4% higher at 128: the last probe moves by a

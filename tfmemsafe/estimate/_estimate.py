@@ -132,6 +132,7 @@ def estimate_source(
     lengths: list[int] | None = None,
     largest: int | None = None,
     device=None,
+    probe_budget: float = _probe.PROBE_BUDGET,
 ) -> MemoryEstimate:
     """`estimate_memory` on a checked `_sources.Source`, for any phase.
 
@@ -146,6 +147,13 @@ def estimate_source(
         largest: int or `None`. No default probe is larger than this
             (recovery passes half the size that ran out).
         device: As in `estimate_memory`.
+        probe_budget: float. The share of the free memory (the limit less
+            the model's state) that the default probes may grow the peak
+            by. The larger, the nearer the limit the line is measured,
+            and the less it is extrapolated (a line through probes of a
+            fifth of the free memory fell short by 12 to 16% at sizes
+            that filled it, on a transformer; see `tfmemsafe.data.
+            memory_buckets`). Defaults to `PROBE_BUDGET`, 0.2.
 
     Returns:
         A `MemoryEstimate`.
@@ -157,7 +165,7 @@ def estimate_source(
     try:
         if batch_sizes is None:
             measurements = _probe.measure_default_sizes(
-                probe, source, replicas, limits, largest
+                probe, source, replicas, limits, largest, probe_budget
             )
         else:
             measurements = [probe.run(size) for size in batch_sizes]
@@ -172,8 +180,10 @@ def estimate_source(
             )
         second = {}
         if lengths:
+            free = _probe.free_bytes(limits, probe.state_bytes)
+            line = (fixed, per_sample)
             second = _measure_lengths(
-                probe, model, source, lengths, measurements, per_sample
+                probe, model, source, lengths, measurements, line, free
             )
     finally:
         probe.close()
@@ -198,14 +208,19 @@ def estimate_source(
     return estimate
 
 
-def _measure_lengths(probe, model, source, lengths, measurements, slope):
-    """The per-sample part's polynomial in the length, from probes.
+def _measure_lengths(probe, model, source, lengths, measurements, line, free):
+    """The per-sample and fixed parts' polynomials in the length.
 
     At each length, two batch sizes a factor two apart, chosen to hold
     about as many elements as the largest probe of the data's own length
-    (fewer, if the length's power predicts more than the probe budget);
-    their slope is that length's per-sample part.
+    (fewer, if the length's power predicts the larger to grow the peak
+    by more than twice the largest probe did, or by more than half the
+    free memory); their slope is that length's per-sample part, and
+    where the line through them meets batch 0, above the data's length's
+    `fixed`, what the length adds to the fixed part (a transformer's
+    attention at 512 tokens held 13 MiB that no sample added to).
     """
+    fixed, slope = line
     base = _lengths.base_length(source)
     powers = _graph.length_powers(model, source.sample_inputs(), base)
     if powers is None:
@@ -216,12 +231,13 @@ def _measure_lengths(probe, model, source, lengths, measurements, slope):
     replicas = model.distribute_strategy.num_replicas_in_sync
     top, top_peak, _ = measurements[-1]
     grown = max(top_peak - measurements[0][1], slope * top)
-    points, slopes, triples = [base], [slope], []
+    allowed = 2 * grown if free is None else min(2 * grown, free / 2)
+    points, slopes, triples, excess = [base], [slope], [], [0.0]
     for length in lengths:
         ratio = (length / base) ** max(powers)
         size = max(2 * replicas, int(top * base / length))
         # Predicted growth at `size`, by the steepest power the graph has.
-        while size > 2 * replicas and slope * size * ratio > 2 * grown:
+        while size > 2 * replicas and slope * size * ratio > allowed:
             size //= 2
         size -= size % (2 * replicas)
         size = max(size, 2 * replicas)
@@ -235,7 +251,11 @@ def _measure_lengths(probe, model, source, lengths, measurements, slope):
             triples.append((batch_size, length, peak))
         points.append(length)
         slopes.append(max(pair[1] - pair[0], 0) / (size - size // 2))
+        excess.append(max(pair[0] - slopes[-1] * (size // 2) - fixed, 0.0))
     coefficients = _lengths.fit_powers(points, slopes, powers)
+    fixed_coefficients = _lengths.fit_powers(
+        points, excess, powers, relative=False
+    )
     if _lengths.polynomial(coefficients, base) <= 0:
         raise MemoryEstimateError(
             "Could not estimate memory at other lengths: the peak did not "
@@ -245,6 +265,7 @@ def _measure_lengths(probe, model, source, lengths, measurements, slope):
     return {
         "length": base,
         "length_coefficients": coefficients,
+        "length_fixed_coefficients": fixed_coefficients,
         "length_measurements": tuple(triples),
     }
 

@@ -56,7 +56,7 @@ _PROBE_STEPS = 5
 # are `_FIRST_PROBE`, four and sixteen times it, then double, and stop
 # when
 # - the next size is predicted (by the last slope) to grow the peak over
-#   the line's value at batch 0 by more than `_PROBE_BUDGET` of the free
+#   the line's value at batch 0 by more than `PROBE_BUDGET` of the free
 #   memory (so that no probe runs out and a batch four times the largest
 #   still fits): it is then cut to the largest size within the budget
 #   and probed last (`_within_budget`);
@@ -71,14 +71,19 @@ _FIRST_PROBE = 8
 _QUADRUPLED = 2
 _MIN_PROBES = 3
 _MAX_PROBES = 7
-_PROBE_BUDGET = 0.2
+PROBE_BUDGET = 0.2
 _GROWN = 1.5
 _SLOPE_AGREEMENT = 0.15
 # A last probe sized to the budget is run only this far past the largest.
 _LAST_PROBE_STEP = 1.25
 
 
-def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
+def measure_default_sizes(
+    probe, source, replicas, limits, largest, budget=PROBE_BUDGET
+) -> list:
+    """The default probes' `(batch_size, peak_bytes, device)`, smallest
+    first; `budget` is the fraction of the free memory they may grow the
+    peak by (`PROBE_BUDGET` unless a caller probes nearer the limit)."""
     samples = source.num_samples
     if largest is not None:
         samples = largest if samples is None else min(samples, largest)
@@ -91,7 +96,7 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
     # constants) is then in use before every probe that is read.
     probe.run(size)
     measurements = [probe.run(size)]
-    free = _free_bytes(limits, probe.state_bytes)
+    free = free_bytes(limits, probe.state_bytes)
     last = False
     while len(measurements) < _MAX_PROBES and not last:
         size *= 4 if len(measurements) <= _QUADRUPLED else 2
@@ -101,7 +106,7 @@ def measure_default_sizes(probe, source, replicas, limits, largest) -> list:
             if _straight(measurements):
                 break
             size, predicted, last = _within_budget(
-                measurements, size, free, replicas
+                measurements, size, free, replicas, budget
             )
             if size is None:
                 break
@@ -130,12 +135,12 @@ def _straight(measurements) -> bool:
     )
 
 
-def _within_budget(measurements, size, free, replicas):
+def _within_budget(measurements, size, free, replicas, budget):
     """`(size, predicted_peak, last)` for the next probe, `size` at most.
 
     Growth is counted from the line's value at batch 0, not from a probe
     (which may sit on the floor), so that four times the largest probe is
-    predicted to grow the peak by at most 4 x `_PROBE_BUDGET` of the free
+    predicted to grow the peak by at most 4 x `budget` of the free
     memory. The slope is the widest secant's, from the second probe: one
     step scheduled with more at once in a middle probe then moves it
     least. A size over the budget is cut to the largest within it, and
@@ -152,7 +157,7 @@ def _within_budget(measurements, size, free, replicas):
     base = min(measurements[1][1], max(p2 - slope * s2, 0))
     last = False
     if free is not None and slope > 0:
-        within = s2 + (_PROBE_BUDGET * free + base - p2) / slope
+        within = s2 + (budget * free + base - p2) / slope
         if size > within:
             size = _rounded_down(int(within), replicas)
             if size < _LAST_PROBE_STEP * s2:
@@ -167,7 +172,7 @@ def _rounded_down(size: int, replicas: int) -> int:
     return size - size % step
 
 
-def _free_bytes(limits, state_bytes) -> int | None:
+def free_bytes(limits, state_bytes) -> int | None:
     """The least memory the model's state leaves below a device's limit."""
     free = [limit - state_bytes for limit in limits.values() if limit]
     return min(free) if free else None

@@ -66,6 +66,9 @@ class MemoryEstimate:
         length_coefficients: tuple of three floats, or `()`. The
             per-sample part at length `l` is `c0 + c1 l + c2 l^2` bytes,
             scaled so it is `per_sample_bytes` at `length`.
+        length_fixed_coefficients: tuple of three floats, or `()`. What
+            a length adds to the fixed part: `c0 + c1 l + c2 l^2` bytes
+            less its value at `length` (never below 0).
         length_measurements: tuple of `(batch_size, length, peak_bytes)`
             triples: the probes at other lengths.
         largest_tensor_bytes: float. The bytes per sample of the step's
@@ -83,6 +86,7 @@ class MemoryEstimate:
     length_coefficients: tuple[float, ...] = ()
     length_measurements: tuple[tuple[int, int, int], ...] = ()
     largest_tensor_bytes: float = 0.0
+    length_fixed_coefficients: tuple[float, ...] = ()
 
     def peak_bytes(self, batch_size: int, length: int | None = None) -> int:
         """The predicted peak of a training step at `batch_size`.
@@ -102,7 +106,19 @@ class MemoryEstimate:
         """
         batch_size = _checks.integer("batch_size", batch_size, 1)
         per_sample = self.per_sample_bytes_at(length)
-        return int(math.ceil(self.fixed_bytes + per_sample * batch_size))
+        fixed = self.fixed_bytes_at(length)
+        return int(math.ceil(fixed + per_sample * batch_size))
+
+    def fixed_bytes_at(self, length: int | None = None) -> float:
+        """The fixed part at `length` (the data's own for `None`)."""
+        if length is None or length == self.length:
+            return float(self.fixed_bytes)
+        self.per_sample_bytes_at(length)  # Checks `length`.
+        if not self.length_fixed_coefficients:
+            return float(self.fixed_bytes)
+        added = polynomial(self.length_fixed_coefficients, length)
+        added -= polynomial(self.length_fixed_coefficients, self.length)
+        return self.fixed_bytes + max(added, 0.0)
 
     def spare_bytes(self, batch_size: int, length: int | None = None) -> int:
         """The room `max_batch_size` keeps beside the predicted peak."""
@@ -243,6 +259,13 @@ class MemoryEstimate:
                 f"  per sample at length l: proportional to {c0:.4g} + "
                 f"{c1:.4g} l + {c2:.4g} l^2 (data's length {self.length})",
             )
+            if any(self.length_fixed_coefficients):
+                f0, f1, f2 = self.length_fixed_coefficients
+                lines.insert(
+                    3,
+                    f"  fixed at length l: + {f0:.4g} + {f1:.4g} l + "
+                    f"{f2:.4g} l^2 bytes, less that at {self.length}",
+                )
             for size, length, peak in self.length_measurements:
                 predicted = self.peak_bytes(size, length)
                 lines.append(
