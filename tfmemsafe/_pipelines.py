@@ -17,6 +17,7 @@ import tensorflow as tf
 # `tf.data` transformations that batch or unbatch their input, by class.
 _BATCHING = (
     "_BatchDataset",
+    "_GroupByWindowDataset",  # `bucket_by_sequence_length`
     "_PaddedBatchDataset",
     "_ParallelBatchDataset",
     "_RebatchDataset",
@@ -133,10 +134,10 @@ def for_keras(dataset, *, one_worker: bool):
         and buffer_size is not None
     ):
         options = dataset.options()
-        dataset = _passed_through(inner).prefetch(int(buffer_size))
+        dataset = passed_through(inner).prefetch(int(buffer_size))
         dataset = dataset.with_options(options)
     else:
-        dataset = _passed_through(dataset).prefetch(tf.data.AUTOTUNE)
+        dataset = passed_through(dataset).prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     if optimization.apply_default_optimizations is None:
         options.experimental_optimization.apply_default_optimizations = False
@@ -147,7 +148,9 @@ def for_keras(dataset, *, one_worker: bool):
     return dataset.with_options(options)
 
 
-def _passed_through(dataset):
+def passed_through(dataset):
+    """`dataset` through a `map` that changes nothing: after a batching
+    transformation, it hands on an error alone (see `for_keras`)."""
     # `map` calls its function with a tuple's parts (exactly a tuple, not
     # a namedtuple) and with anything else as one argument.
     if type(dataset.element_spec) is tuple:

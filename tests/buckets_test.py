@@ -1,0 +1,316 @@
+"""Tests for tfmemsafe.data's length buckets sized by predicted memory.
+
+`RealCapTest` plans the buckets of a GRU's and a transformer's token
+sequences (log-normal lengths) under a real allocator cap, each in its
+own process, both at once, and trains an epoch on them with plain
+`model.fit`. The other tests use a `MemoryEstimate` built by hand, so
+they need no probe.
+"""
+
+import concurrent.futures
+import os
+
+# The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
+# be chosen before TensorFlow is imported.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
+
+import tfmemsafe  # noqa: E402
+from tfmemsafe import testing  # noqa: E402
+
+_MB = 1024 * 1024
+# Under this cap the buckets' batches are smaller than the buckets (of
+# `_EXAMPLES`), so that full batches at the predicted sizes train.
+_CAP_MB = 160
+_EXAMPLES = 4000
+
+
+def _sequences(count=_EXAMPLES, median=48, longest=512, seed=0):
+    """Unbatched `(token ids, id)`: log-normal lengths, one at `longest`.
+
+    The label is the example's index, so that a test can count which
+    examples a pass went through (the models take it as a class id).
+    """
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(np.log(median), 0.7, count).astype(int)
+    lengths = np.clip(lengths, 1, longest)
+    lengths[count // 2] = longest
+    tokens = tf.ragged.constant(
+        [rng.integers(1, 2000, n) for n in lengths], dtype=tf.int32
+    )
+    ids = np.arange(count, dtype="int32")
+    return tf.data.Dataset.from_tensor_slices((tokens, ids)), lengths
+
+
+def _estimate(**kwargs):
+    """1000 MB, 100 MB fixed; a sample 64 KiB and 1 KiB a token."""
+    defaults = dict(
+        device="CPU:0",
+        limit_bytes=1000 * _MB,
+        fixed_bytes=100 * _MB,
+        per_sample_bytes=128 * 1024,
+        measurements=((8, 101 * _MB), (32, 104 * _MB)),
+        length=64,
+        length_coefficients=(64 * 1024.0, 1024.0, 0.0),
+    )
+    return tfmemsafe.MemoryEstimate(**{**defaults, **kwargs})
+
+
+def _labelled(data):
+    """The models' classes: the id's parity and more, 4 of them."""
+    return data.map(lambda tokens, ids: (tokens, ids % 4))
+
+
+def buckets_under_cap(name):
+    """Plans the buckets of `name` under the cap, trains an epoch on them."""
+    model = testing.reference_model(name, (None,))
+    data, lengths = _sequences()
+    train = _labelled(data)
+    buckets = tfmemsafe.data.memory_buckets(train, model)
+    seen, shapes = [], []
+    for x, ids in buckets.apply(data):
+        seen.extend(ids.numpy().tolist())
+        shapes.append(tuple(x.shape))
+    with testing.AllocatorFailures() as failures:
+        history = model.fit(
+            tfmemsafe.data.bucket_by_memory(
+                train, model, estimate=buckets.estimate
+            ),
+            epochs=1,
+            verbose=0,
+        )
+    full = [
+        length
+        for length, size, count in zip(
+            buckets.lengths,
+            buckets.bucket_batch_sizes,
+            buckets.counts,
+            strict=False,
+        )
+        if count >= size
+    ]
+    return {
+        "full": full,
+        "lengths": list(buckets.lengths),
+        "sizes": list(buckets.bucket_batch_sizes),
+        "counts": list(buckets.counts),
+        "peaks": list(buckets.predicted_peak_bytes),
+        "limit": buckets.estimate.limit_bytes,
+        "seen": seen,
+        "shapes": shapes,
+        "longest": int(lengths.max()),
+        "failures": failures.count,
+        "loss": history.history["loss"],
+        "text": f"{buckets}\n{buckets.estimate}",
+    }
+
+
+class RealCapTest(parameterized.TestCase, tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._pool = concurrent.futures.ThreadPoolExecutor(2)
+        cls._results = {
+            name: cls._pool.submit(
+                testing.run_with_memory_cap,
+                buckets_under_cap,
+                _CAP_MB,
+                args=[name],
+            )
+            for name in ("gru", "transformer")
+        }
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._pool.shutdown(wait=True)
+        super().tearDownClass()
+
+    @parameterized.parameters("gru", "transformer")
+    def test_every_example_is_batched_once_within_its_bucket(self, name):
+        result = self._results[name].result()
+        self.assertCountEqual(result["seen"], range(_EXAMPLES))
+        sizes = dict(zip(result["lengths"], result["sizes"], strict=False))
+        for batch, length in result["shapes"]:
+            self.assertIn(length, sizes, msg=result["text"])
+            self.assertLessEqual(batch, sizes[length], msg=result["text"])
+        self.assertEqual(result["lengths"][-1], result["longest"])
+
+    @parameterized.parameters("gru", "transformer")
+    def test_longer_buckets_get_smaller_batches_that_train_without_oom(
+        self, name
+    ):
+        result = self._results[name].result()
+        self.assertEqual(result["failures"], 0, msg=result["text"])
+        # Most buckets had a batch at their full predicted size.
+        self.assertGreaterEqual(len(result["full"]), 4, msg=result["text"])
+        self.assertTrue(np.isfinite(result["loss"]).all())
+        sizes = result["sizes"][:-1]
+        self.assertEqual(sizes, sorted(sizes, reverse=True))
+        self.assertGreater(sizes[0], 4 * sizes[-1], msg=result["text"])
+        for peak in result["peaks"]:
+            self.assertLessEqual(peak, 0.8 * result["limit"])
+
+
+class MemoryBucketsTest(tf.test.TestCase):
+    """Sizes from a hand-built estimate: no probe runs."""
+
+    def setUp(self):
+        super().setUp()
+        self.data, self.lengths = _sequences(count=300, longest=300)
+        self.train = _labelled(self.data)
+        self.model = testing.reference_model("gru", (None,))
+
+    def _buckets(self, **kwargs):
+        return tfmemsafe.data.memory_buckets(
+            self.train, self.model, estimate=_estimate(), **kwargs
+        )
+
+    def test_default_buckets_grow_by_half_in_multiples_of_8(self):
+        buckets = self._buckets()
+        lengths = list(buckets.lengths)
+        self.assertEqual(lengths[-1], 304)  # 300, rounded up to 8.
+        # Each 1.5 times the last, up to a multiple of 8; the last is the
+        # longest example's.
+        for shorter, longer in zip(lengths, lengths[1:-1], strict=False):
+            self.assertEqual(longer % 8, 0)
+            self.assertBetween(longer, 1.5 * shorter, 1.5 * shorter + 8)
+        self.assertEqual(sum(buckets.counts), 300)
+        self.assertNotIn(0, buckets.counts)
+        self.assertEqual(
+            list(buckets.bucket_boundaries), [n + 1 for n in lengths]
+        )
+
+    def test_each_bucket_gets_the_largest_batch_predicted_to_fit(self):
+        estimate = _estimate()
+        buckets = self._buckets(multiple=8, max_batch_size=10**6)
+        held = tfmemsafe.estimate.held_bytes("CPU:0", estimate.state_bytes)
+        usable = 0.8 * (estimate.limit_bytes - held)
+        for length, size in zip(
+            buckets.lengths, buckets.bucket_batch_sizes, strict=False
+        ):
+            self.assertEqual(size % 8, 0)
+            self.assertLessEqual(estimate.peak_bytes(size, length), usable)
+            self.assertGreater(estimate.peak_bytes(size + 8, length), usable)
+
+    def test_sizes_stop_at_max_batch_size(self):
+        buckets = self._buckets(max_batch_size=100)
+        self.assertLessEqual(max(buckets.bucket_batch_sizes), 100)
+        self.assertEqual(buckets.bucket_batch_sizes[0], 100)
+
+    def test_bucket_by_memory_batches_every_example_once(self):
+        batched = tfmemsafe.data.bucket_by_memory(
+            self.data, self.model, estimate=_estimate(), max_batch_size=16
+        )
+        ids = [i for _, batch in batched for i in batch.numpy().tolist()]
+        self.assertCountEqual(ids, range(300))
+        self.assertEqual(int(batched.cardinality()), len(list(batched)))
+
+    def test_given_boundaries_are_kept_and_the_longest_covered(self):
+        buckets = self._buckets(bucket_boundaries=[32, 128])
+        self.assertEqual(list(buckets.bucket_boundaries), [32, 128, 301])
+        self.assertEqual(list(buckets.lengths), [31, 127, 300])
+
+    def test_a_length_fn_of_the_caller(self):
+        # Lengths counted without the padding token 0 of a padded copy.
+        padded = self.data.map(lambda x, i: (tf.pad(x, [[0, 4]]), i))
+        buckets = tfmemsafe.data.memory_buckets(
+            padded,
+            self.model,
+            estimate=_estimate(),
+            length_fn=lambda x, i: tf.math.count_nonzero(x),
+        )
+        self.assertEqual(buckets.lengths[-1], 304)
+
+    def test_the_table_names_each_bucket(self):
+        text = str(self._buckets())
+        self.assertStartsWith(text, "MemoryBuckets on CPU:0 (limit 1000.0 MiB)")
+        self.assertIn("length   examples   batch   predicted peak", text)
+
+
+class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.data, _ = _sequences(count=40, longest=100)
+        self.model = testing.reference_model("gru", (None,))
+
+    def _plan(self, data=None, **kwargs):
+        kwargs.setdefault("estimate", _estimate())
+        return tfmemsafe.data.memory_buckets(
+            self.data if data is None else data, self.model, **kwargs
+        )
+
+    def test_a_batched_dataset_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "must be unbatched.*by 8"):
+            self._plan(self.data.batch(8))
+
+    def test_an_endless_dataset_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "must be finite"):
+            self._plan(self.data.repeat())
+
+    def test_an_empty_dataset_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "at least one example"):
+            self._plan(self.data.take(0))
+
+    def test_not_a_dataset_is_refused(self):
+        with self.assertRaisesRegex(TypeError, "unbatched tf.data.Dataset"):
+            self._plan([1, 2, 3])
+
+    @parameterized.named_parameters(
+        (
+            "float",
+            lambda x, i: tf.cast(tf.size(x), "float32"),
+            "scalar integer",
+        ),
+        ("vector", lambda x, i: tf.shape(x), "scalar integer"),
+    )
+    def test_a_length_fn_that_returns_no_length_is_refused(self, fn, text):
+        with self.assertRaisesRegex(TypeError, text):
+            self._plan(length_fn=fn)
+
+    def test_a_negative_length_is_refused(self):
+        with self.assertRaisesRegex(
+            ValueError, "lengths >= 0.*-1 for example 0"
+        ):
+            self._plan(length_fn=lambda x, i: tf.where(i == 0, -1, 5))
+
+    def test_fixed_length_inputs_need_a_length_fn(self):
+        fixed = tf.data.Dataset.from_tensor_slices(
+            (np.zeros((4, 8), "int32"), np.zeros(4, "int32"))
+        )
+        with self.assertRaisesRegex(ValueError, "no axis of varying length"):
+            self._plan(fixed)
+
+    @parameterized.named_parameters(
+        ("unsorted", [64, 32]),
+        ("empty", []),
+        ("zero", [0, 8]),
+    )
+    def test_bad_boundaries_are_refused(self, boundaries):
+        with self.assertRaisesRegex(ValueError, "bucket_boundaries"):
+            self._plan(bucket_boundaries=boundaries)
+
+    def test_an_estimate_without_lengths_is_refused(self):
+        flat = _estimate(length=None, length_coefficients=())
+        with self.assertRaisesRegex(ValueError, "made with `lengths`"):
+            self._plan(estimate=flat)
+
+    def test_max_batch_size_below_the_multiple_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "`max_batch_size` must be"):
+            self._plan(max_batch_size=4, multiple=8)
+
+    def test_an_example_that_fits_not_even_alone_is_named(self):
+        # About 800 MB left at 90%, 1 KiB a token: some 800,000 tokens.
+        long = tf.data.Dataset.from_generator(
+            lambda: iter([(np.zeros(900_000, "int32"), 0)]),
+            output_signature=(
+                tf.TensorSpec([None], tf.int32),
+                tf.TensorSpec([], tf.int32),
+            ),
+        )
+        with self.assertRaisesRegex(
+            ValueError, "length 900000, .* the longest that fits is [0-9]{6}\\."
+        ):
+            self._plan(long)
