@@ -8,12 +8,15 @@ they need no probe.
 """
 
 import concurrent.futures
+import dataclasses
 import os
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
 # be chosen before TensorFlow is imported.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
+import _models  # noqa: E402
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl.testing import parameterized  # noqa: E402
@@ -108,19 +111,86 @@ def buckets_under_cap(name):
     }
 
 
+class _Seen(keras.layers.Layer):
+    """Counts, in a variable, the training steps each example id was in."""
+
+    def __init__(self, count, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+        self.seen = self.add_weight(
+            shape=(count,), initializer="zeros", trainable=False
+        )
+
+    def call(self, x, ids, training=False):
+        if training:
+            self.seen.assign_add(
+                tf.math.bincount(
+                    ids,
+                    minlength=self.count,
+                    maxlength=self.count,
+                    dtype="float32",
+                )
+            )
+        return x
+
+
+def _counting_gru():
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    ids = keras.Input((), dtype="int32", name="id")
+    x = keras.layers.Embedding(2000, 64)(tokens)
+    x = keras.layers.GRU(128)(x)
+    x = _Seen(_EXAMPLES, name="seen")(x, ids)
+    model = keras.Model({"tokens": tokens, "id": ids}, keras.layers.Dense(4)(x))
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def fit_auto_under_cap(hold):
+    """`tfmemsafe.fit(batch_size="auto")` on the examples, two epochs;
+    with `hold`, the allocator full at epoch 1, step 1 until the next."""
+    data, _ = _sequences()
+    examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
+    model = _counting_gru()
+    callbacks = [_models.HeldUntilNextStep(1, 1)] if hold else []
+    with testing.AllocatorFailures() as failures:
+        history = tfmemsafe.fit(
+            model,
+            examples,
+            batch_size="auto",
+            epochs=2,
+            callbacks=callbacks,
+            verbose=0,
+        )
+    seen = model.get_layer("seen").seen.numpy()
+    return {
+        "seen": sorted(set(seen.tolist())),
+        "batch_size": history.batch_size,
+        "events": [dataclasses.asdict(e) for e in history.oom_events],
+        "failures": failures.count,
+        "loss": history.history["loss"],
+        "epochs": len(history.history["loss"]),
+    }
+
+
 class RealCapTest(parameterized.TestCase, tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls._pool = concurrent.futures.ThreadPoolExecutor(2)
+        scenarios = {
+            "gru": (buckets_under_cap, ["gru"]),
+            "transformer": (buckets_under_cap, ["transformer"]),
+            "fit": (fit_auto_under_cap, [False]),
+            "fit_held": (fit_auto_under_cap, [True]),
+        }
+        cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios))
         cls._results = {
             name: cls._pool.submit(
-                testing.run_with_memory_cap,
-                buckets_under_cap,
-                _CAP_MB,
-                args=[name],
+                testing.run_with_memory_cap, target, _CAP_MB, args=args
             )
-            for name in ("gru", "transformer")
+            for name, (target, args) in scenarios.items()
         }
 
     @classmethod
@@ -152,6 +222,29 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertGreater(sizes[0], 4 * sizes[-1], msg=result["text"])
         for peak in result["peaks"]:
             self.assertLessEqual(peak, 0.8 * result["limit"])
+
+    def test_fit_auto_trains_every_example_once_an_epoch(self):
+        result = self._results["fit"].result()
+        self.assertEqual(result["events"], [], msg=result)
+        self.assertEqual(result["failures"], 0, msg=result)
+        self.assertEqual(result["seen"], [2.0], msg=result)
+        self.assertEqual(result["epochs"], 2)
+        self.assertTrue(np.isfinite(result["loss"]).all())
+
+    def test_fit_auto_halves_every_bucket_after_an_oom_and_begins_again(
+        self,
+    ):
+        result = self._results["fit_held"].result()
+        [event] = result["events"]
+        self.assertEqual((event["epoch"], event["phase"]), (1, "training"))
+        self.assertEqual(
+            event["batch_size_after"], event["batch_size_before"] // 2
+        )
+        self.assertEqual(result["batch_size"], event["batch_size_after"])
+        # The epoch began again from its start: each example counted once
+        # an epoch, none twice.
+        self.assertEqual(result["seen"], [2.0], msg=result)
+        self.assertEqual(result["epochs"], 2)
 
 
 class MemoryBucketsTest(tf.test.TestCase):

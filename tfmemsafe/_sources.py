@@ -381,6 +381,20 @@ class Arrays(Source):
 class UnbatchedDataset(Source):
     """A `tf.data.Dataset` of single samples: batched and prefetched here."""
 
+    def varies_in_length(self) -> bool:
+        """Whether some input's first axis varies from sample to sample."""
+        spec = self.data.element_spec
+        inputs = spec[0] if isinstance(spec, tuple) else spec
+        return any(
+            isinstance(leaf, tf.RaggedTensorSpec)
+            or (
+                isinstance(leaf, tf.TensorSpec)
+                and leaf.shape.rank
+                and leaf.shape[0] is None
+            )
+            for leaf in tf.nest.flatten(inputs)
+        )
+
     @property
     def num_samples(self) -> int | None:
         cardinality = int(self.data.cardinality())
@@ -391,6 +405,62 @@ class UnbatchedDataset(Source):
         return _pipelines.for_keras(
             dataset.batch(batch_size), one_worker=self.one_worker
         )
+
+
+class BucketedExamples(Source):
+    """Unbatched examples of varying length, batched in memory buckets.
+
+    `buckets` is a `tfmemsafe.data.MemoryBuckets`. A batch size here is
+    its first bucket's, and every bucket's scales with it
+    (`MemoryBuckets.scaled`), so halving it halves them all. The batches
+    at another size hold other examples, so a position in an epoch is
+    not found again at another size.
+
+    Args:
+        data: The unbatched `tf.data.Dataset`.
+        argument: str. Its argument's name, for messages.
+        buckets: The `MemoryBuckets` to batch it by.
+        counted: bool. Whether `buckets` counted these very examples, so
+            that the number of batches is known.
+    """
+
+    def __init__(self, data, argument: str, buckets, *, counted: bool):
+        super().__init__(data, argument, buckets.bucket_batch_sizes[0])
+        self.buckets = buckets
+        self.counted = counted
+
+    def default_batch_size(self) -> int:
+        return self.batch_size
+
+    @property
+    def num_samples(self) -> int | None:
+        return sum(self.buckets.counts) if self.counted else None
+
+    def position_is_reproducible(self, batch_size: int) -> bool:
+        return False
+
+    def dataset(self, batch_size: int, *, repeat: bool = False):
+        buckets = self.buckets.scaled(batch_size)
+        dataset = buckets.apply(self.data)
+        if self.counted:
+            dataset = dataset.apply(
+                tf.data.experimental.assert_cardinality(buckets.num_batches())
+            )
+        if repeat:
+            dataset = dataset.repeat()
+        return _pipelines.for_keras(dataset, one_worker=self.one_worker)
+
+    def keras_arguments(
+        self, batch_size: int, skip: int = 0, order=None
+    ) -> dict:
+        # No position is found again (`position_is_reproducible`): an
+        # epoch is always begun anew.
+        return {"x": self.dataset(batch_size)}
+
+    def sample_inputs(self):
+        batch = next(iter(self.buckets.apply(self.data.take(1))))
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        return x
 
 
 class BatchedDataset(Source):

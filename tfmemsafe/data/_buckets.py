@@ -69,6 +69,7 @@ class MemoryBuckets:
             come from, with a second dimension (the length).
         length_fn: callable. An example's parts to its length, as a
             scalar `int32` tensor.
+        multiple: int. Every batch size is a multiple of it.
     """
 
     bucket_boundaries: tuple[int, ...]
@@ -78,6 +79,45 @@ class MemoryBuckets:
     predicted_peak_bytes: tuple[int, ...]
     estimate: estimate_lib.MemoryEstimate
     length_fn: Callable = dataclasses.field(repr=False)
+    multiple: int = 1
+
+    def num_batches(self, drop_remainder: bool = False) -> int:
+        """The batches of one pass over the examples the buckets counted:
+        each bucket's last batch is smaller (or dropped)."""
+        rounded = math.floor if drop_remainder else math.ceil
+        return sum(
+            rounded(count / size)
+            for count, size in zip(
+                self.counts, self.bucket_batch_sizes, strict=False
+            )
+            if count
+        )
+
+    def scaled(self, batch_size: int) -> MemoryBuckets:
+        """These buckets with the first's batch size `batch_size`, and
+        every other bucket's scaled with it (down to `multiple`).
+
+        What `tfmemsafe.fit` trains on after an out-of-memory error: its
+        batch size is the first bucket's.
+        """
+        batch_size = _checks.integer("batch_size", batch_size, 1)
+        factor = batch_size / self.bucket_batch_sizes[0]
+        sizes = []
+        for size in self.bucket_batch_sizes:
+            size = int(size * factor)
+            sizes.append(max(size - size % self.multiple, self.multiple))
+        # What else was in use when they were planned, as in theirs.
+        held = self.predicted_peak_bytes[0] - self.estimate.peak_bytes(
+            self.bucket_batch_sizes[0], length=self.lengths[0]
+        )
+        return dataclasses.replace(
+            self,
+            bucket_batch_sizes=tuple(sizes),
+            predicted_peak_bytes=tuple(
+                self.estimate.peak_bytes(size, length=length) + held
+                for size, length in zip(sizes, self.lengths, strict=False)
+            ),
+        )
 
     def apply(
         self,
@@ -275,6 +315,7 @@ def memory_buckets(
         predicted_peak_bytes=tuple(int(p) for p in peaks),
         estimate=estimate,
         length_fn=length_fn,
+        multiple=multiple,
     )
 
 
@@ -296,18 +337,14 @@ def bucket_by_memory(
     >>> model.fit(train, epochs=3)
     """
     buckets = memory_buckets(dataset, model, **kwargs)
-    # Each bucket ends an epoch with its one smaller batch: Keras then
-    # knows the epoch's length (its progress bar, and no "ran out of
-    # data" warning). Only for the examples the buckets were counted on.
-    rounded = math.floor if drop_remainder else math.ceil
-    batches = sum(
-        rounded(count / size)
-        for count, size in zip(
-            buckets.counts, buckets.bucket_batch_sizes, strict=False
-        )
-        if count
+    # Keras then knows the epoch's length (its progress bar, and no "ran
+    # out of data" warning). Only for the examples the buckets counted.
+    return buckets._batched(
+        dataset,
+        padding_values,
+        drop_remainder,
+        buckets.num_batches(drop_remainder),
     )
-    return buckets._batched(dataset, padding_values, drop_remainder, batches)
 
 
 def _check_unbatched(dataset) -> None:

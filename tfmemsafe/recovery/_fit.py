@@ -14,10 +14,13 @@ import keras
 from absl import logging
 
 from tfmemsafe import _checks
+from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._sources import Arrays
+from tfmemsafe._sources import BucketedExamples
+from tfmemsafe._sources import UnbatchedDataset
 from tfmemsafe._sources import source_for
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
@@ -103,7 +106,13 @@ def fit(
             `(x, y, sample_weight)` of arrays.
         batch_size: int, `"auto"` or `None`. The (global) batch size to
             start at. `"auto"` uses `find_max_batch_size` (and no
-            pre-flight check: its size was tried). `None` means
+            pre-flight check: its size was tried); for an unbatched
+            dataset whose inputs vary in length, it batches by length
+            buckets, each at the size the memory model predicts to fit
+            (`tfmemsafe.data.memory_buckets`): the batch size is then the
+            first bucket's, an out-of-memory error halves every bucket's
+            and the epoch begins again, and a variable-length
+            `validation_data` is batched by the same buckets. `None` means
             the batch size of a batched dataset, else 32; a callable
             needs one.
         epochs: int. The number of epochs; with `initial_epoch`, the
@@ -180,7 +189,15 @@ def fit(
         )
     preflight = _checks.boolean("preflight", preflight)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
-    if batch_size == "auto":
+    if batch_size == "auto" and _varies_in_length(train_source):
+        train_source, validation_source = _bucketed(
+            model, train_source, validation_source, memory_estimate
+        )
+        batch_size = train_source.batch_size
+        # The plan is the estimate; one of bucketed batches would mix
+        # lengths in one line. An error halves every bucket.
+        preflight = memory_estimate = False
+    elif batch_size == "auto":
         batch_size = find_max_batch_size(
             model, data, memory_estimate=memory_estimate
         )
@@ -301,6 +318,32 @@ def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
         ).train()
     finally:
         guard.close()
+
+
+def _varies_in_length(source) -> bool:
+    return isinstance(source, UnbatchedDataset) and source.varies_in_length()
+
+
+def _bucketed(model, train_source, validation_source, memory_estimate):
+    """The training (and validation) examples in memory buckets."""
+    if not memory_estimate:
+        raise ValueError(
+            "`batch_size='auto'` on examples of varying length batches them "
+            "by predicted memory, which needs the memory estimate. Pass "
+            "memory_estimate=True, or batch them yourself. Received: "
+            "memory_estimate=False"
+        )
+    buckets = data_lib.memory_buckets(train_source.data, model)
+    logging.info("tfmemsafe.fit: batch_size='auto' chose:\n%s", buckets)
+    train = BucketedExamples(train_source.data, "data", buckets, counted=True)
+    train.one_worker = train_source.one_worker
+    if _varies_in_length(validation_source):
+        validation = BucketedExamples(
+            validation_source.data, "validation_data", buckets, counted=False
+        )
+        validation.one_worker = validation_source.one_worker
+        validation_source = validation
+    return train, validation_source
 
 
 def _split_for_validation(settings: FitSettings, other_arguments: dict):
