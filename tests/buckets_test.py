@@ -247,6 +247,26 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(result["epochs"], 2)
 
 
+def plan_on_a_worker():
+    """`memory_buckets` on one worker of a two-worker job: its error."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = testing.reference_model("gru", (None,))
+    data, _ = _sequences(count=40, longest=100)
+    try:
+        tfmemsafe.data.memory_buckets(_labelled(data), model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+class MultiWorkerTest(tf.test.TestCase):
+    def test_a_multi_worker_job_is_refused_before_any_probe(self):
+        errors = testing.run_workers(plan_on_a_worker, 2)
+        for error in errors:
+            self.assertIn("does not plan for a multi-worker job", error)
+
+
 class MemoryBucketsTest(tf.test.TestCase):
     """Sizes from a hand-built estimate: no probe runs."""
 

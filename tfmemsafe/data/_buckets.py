@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tfmemsafe import _checks
 from tfmemsafe import _pipelines
+from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
@@ -253,6 +254,18 @@ def memory_buckets(
     >>> model.fit(buckets.apply(train), epochs=3)
     """
     _checks.compiled_model(model, "memory_buckets")
+    if distribute.is_multi_worker(model.distribute_strategy):
+        # Probes and sizes are each worker's own: workers whose buckets
+        # differed would end an epoch after different numbers of steps,
+        # and wait for each other in a collective for ever.
+        raise ValueError(
+            "`memory_buckets` does not plan for a multi-worker job yet: "
+            "each worker would measure its own memory and could choose "
+            "other batch sizes than the rest. Batch each worker's data "
+            "with the same `tf.data.Dataset.bucket_by_sequence_length` "
+            "sizes instead. Received a model under a "
+            "MultiWorkerMirroredStrategy of more than one worker."
+        )
     _check_unbatched(dataset)
     max_batch_size = _checks.integer("max_batch_size", max_batch_size, 1)
     replicas = model.distribute_strategy.num_replicas_in_sync
