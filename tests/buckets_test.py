@@ -300,7 +300,8 @@ class MemoryBucketsTest(tf.test.TestCase):
         estimate = _estimate()
         buckets = self._buckets(multiple=8, max_batch_size=10**6)
         held = tfmemsafe.estimate.held_bytes("CPU:0", estimate.state_bytes)
-        usable = 0.8 * (estimate.limit_bytes - held)
+        # `fit`'s rule: the peak and what is held, within 80% of the limit.
+        usable = 0.8 * estimate.limit_bytes - held
         for length, size in zip(
             buckets.lengths, buckets.bucket_batch_sizes, strict=False
         ):
@@ -319,7 +320,28 @@ class MemoryBucketsTest(tf.test.TestCase):
         )
         ids = [i for _, batch in batched for i in batch.numpy().tolist()]
         self.assertCountEqual(ids, range(300))
-        self.assertEqual(int(batched.cardinality()), len(list(batched)))
+        buckets = self._buckets(max_batch_size=16)
+        self.assertEqual(buckets.num_batches(), len(list(batched)))
+        # Not asserted on the dataset: lengths may change between passes.
+        self.assertEqual(
+            int(batched.cardinality()), tf.data.UNKNOWN_CARDINALITY
+        )
+
+    def test_buckets_without_examples_are_left_out(self):
+        buckets = self._buckets(bucket_boundaries=[16, 32, 5000, 100_000])
+        self.assertEqual(list(buckets.bucket_boundaries), [16, 32, 5000])
+        self.assertNotIn(0, buckets.counts)
+        self.assertNotIn(0, buckets.bucket_batch_sizes)
+
+    def test_grouping_without_batching_is_not_a_batched_dataset(self):
+        from tfmemsafe import _pipelines
+
+        grouped = self.data.group_by_window(
+            lambda x, i: tf.cast(i % 2, "int64"), lambda k, w: w, 8
+        )
+        self.assertEqual(_pipelines.batching_of(grouped), (False, None))
+        batched = self._buckets().apply(self.data)
+        self.assertEqual(_pipelines.batching_of(batched), (True, None))
 
     def test_given_boundaries_are_kept_and_the_longest_covered(self):
         buckets = self._buckets(bucket_boundaries=[32, 128])
@@ -389,6 +411,17 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         ):
             self._plan(length_fn=lambda x, i: tf.where(i == 0, -1, 5))
 
+    def test_lengths_all_zero_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "longer than 0"):
+            self._plan(length_fn=lambda x, i: 0)
+
+    def test_an_input_of_fixed_shape_needs_an_estimate(self):
+        mixed = self.data.map(
+            lambda x, i: ({"tokens": x, "features": tf.zeros([3])}, i)
+        )
+        with self.assertRaisesRegex(ValueError, "inputs of fixed shape"):
+            tfmemsafe.data.memory_buckets(mixed, self.model)
+
     def test_fixed_length_inputs_need_a_length_fn(self):
         fixed = tf.data.Dataset.from_tensor_slices(
             (np.zeros((4, 8), "int32"), np.zeros(4, "int32"))
@@ -400,6 +433,8 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         ("unsorted", [64, 32]),
         ("empty", []),
         ("zero", [0, 8]),
+        ("one", [1, 8]),
+        ("float", [8.0, 16]),
     )
     def test_bad_boundaries_are_refused(self, boundaries):
         with self.assertRaisesRegex(ValueError, "bucket_boundaries"):

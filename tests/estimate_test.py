@@ -563,6 +563,15 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
             estimate.peak_bytes(10, 128), 100 * _MB + 64 * 1024 + 20 * _MB
         )
 
+    def test_a_length_that_measured_no_slope_is_left_out(self):
+        from tfmemsafe.estimate import _lengths
+
+        lengths = [8, 24, 64, 184, 512]
+        slopes = [6000 + 4000 * n for n in lengths]
+        slopes[1] = 0.0  # Its probes sat on the floor.
+        fitted = _lengths.fit_powers(lengths, slopes, (0, 1))
+        self.assertAllClose(fitted, (6000, 4000, 0), rtol=1e-6)
+
     def test_powers_are_fitted_to_relative_errors(self):
         from tfmemsafe.estimate import _lengths
 

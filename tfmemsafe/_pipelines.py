@@ -17,7 +17,6 @@ import tensorflow as tf
 # `tf.data` transformations that batch or unbatch their input, by class.
 _BATCHING = (
     "_BatchDataset",
-    "_GroupByWindowDataset",  # `bucket_by_sequence_length`
     "_PaddedBatchDataset",
     "_ParallelBatchDataset",
     "_RebatchDataset",
@@ -38,6 +37,8 @@ def batching_of(dataset) -> tuple[bool, int | None]:
                 return True, None
         if name in _UNBATCHING:
             return False, None
+        if name == "_GroupByWindowDataset" and _adds_an_axis(node):
+            return True, None  # `bucket_by_sequence_length`'s batches.
         inputs = getattr(node, "_datasets", None)  # zip and similar
         if inputs:
             found = [batching_of(d) for d in tf.nest.flatten(inputs)]
@@ -46,6 +47,19 @@ def batching_of(dataset) -> tuple[bool, int | None]:
             return batched, sizes.pop() if batched and len(sizes) == 1 else None
         node = getattr(node, "_input_dataset", None)
     return False, None
+
+
+def _adds_an_axis(node) -> bool:
+    """Whether a `group_by_window` batches its windows (its elements have
+    an axis more than its input's) rather than only grouping them."""
+    out = tf.nest.flatten(node.element_spec)
+    into = tf.nest.flatten(node._input_dataset.element_spec)  # noqa: SLF001
+    return (
+        len(out) == len(into)
+        and out[0].shape.rank is not None
+        and into[0].shape.rank is not None
+        and out[0].shape.rank == into[0].shape.rank + 1
+    )
 
 
 def rows_of_batched(dataset) -> int | None:

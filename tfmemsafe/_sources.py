@@ -421,7 +421,7 @@ class BucketedExamples(Source):
         argument: str. Its argument's name, for messages.
         buckets: The `MemoryBuckets` to batch it by.
         counted: bool. Whether `buckets` counted these very examples, so
-            that the number of batches is known.
+            that their number is known.
     """
 
     def __init__(self, data, argument: str, buckets, *, counted: bool):
@@ -440,12 +440,7 @@ class BucketedExamples(Source):
         return False
 
     def dataset(self, batch_size: int, *, repeat: bool = False):
-        buckets = self.buckets.scaled(batch_size)
-        dataset = buckets.apply(self.data)
-        if self.counted:
-            dataset = dataset.apply(
-                tf.data.experimental.assert_cardinality(buckets.num_batches())
-            )
+        dataset = self.buckets.scaled(batch_size).apply(self.data)
         if repeat:
             dataset = dataset.repeat()
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
@@ -471,7 +466,9 @@ class BatchedDataset(Source):
             raise ValueError(
                 "`batch_size` is required: the batch size of "
                 f"`{self.argument}` could not be read from its "
-                "pipeline. Received: batch_size=None"
+                "pipeline (a `bucket_by_sequence_length` pipeline has "
+                "several: give `tfmemsafe.fit` the unbatched examples "
+                "with batch_size='auto' instead). Received: batch_size=None"
             )
         return self.batch_size
 

@@ -25,13 +25,8 @@ from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
+from tfmemsafe.data import _lengths
 
-# Each default bucket's length is at least this times the one before, so
-# padding adds at most a third to a bucket's examples (a sixth on
-# average), and 8 to 1,024 takes twelve buckets: twelve traced steps.
-_BUCKET_RATIO = 1.5
-# Default bucket lengths are multiples of this (a GPU's tensor cores').
-_LENGTH_MULTIPLE = 8
 _DEFAULT_MAX_BATCH_SIZE = 4096
 # Every bucket's batch is predicted near the limit, where the allocator's
 # fragmentation adds most: a transformer's buckets under a 160 MB cap
@@ -41,8 +36,6 @@ HEADROOM = 0.2
 # over twice `estimate_memory`'s, so that the largest probe is about half
 # the size a bucket gets.
 _PROBE_BUDGET = 0.45
-# Lengths are read in batches of this many examples.
-_READ_BATCH = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +77,14 @@ class MemoryBuckets:
 
     def num_batches(self, drop_remainder: bool = False) -> int:
         """The batches of one pass over the examples the buckets counted:
-        each bucket's last batch is smaller (or dropped)."""
+        each bucket's last batch is smaller (or dropped).
+
+        `apply` does not assert it, as the lengths may change from one
+        pass to the next (a random crop); where they do not,
+        `batched.apply(tf.data.experimental.assert_cardinality(n))`
+        gives Keras the epoch's length (a progress bar, and no "ran out
+        of data" warning after the first epoch).
+        """
         rounded = math.floor if drop_remainder else math.ceil
         return sum(
             rounded(count / size)
@@ -141,12 +141,9 @@ class MemoryBuckets:
             A `tf.data.Dataset` of padded batches, each of at most its
             bucket's batch size.
         """
-        return self._batched(dataset, padding_values, drop_remainder)
-
-    def _batched(self, dataset, padding_values, drop_remainder, batches=None):
-        _check_unbatched(dataset)
+        _lengths.check_unbatched(dataset)
         drop_remainder = _checks.boolean("drop_remainder", drop_remainder)
-        batched = _examples(dataset).bucket_by_sequence_length(
+        batched = _lengths.examples(dataset).bucket_by_sequence_length(
             self.length_fn,
             list(self.bucket_boundaries),
             list(self.bucket_batch_sizes),
@@ -154,10 +151,6 @@ class MemoryBuckets:
             pad_to_bucket_boundary=True,
             drop_remainder=drop_remainder,
         )
-        if batches is not None:
-            batched = batched.apply(
-                tf.data.experimental.assert_cardinality(batches)
-            )
         # A padded batch that cannot be allocated must raise, not end the
         # process in a prefetch after it (`_pipelines.for_keras`).
         return _pipelines.passed_through(batched)
@@ -266,7 +259,7 @@ def memory_buckets(
             "sizes instead. Received a model under a "
             "MultiWorkerMirroredStrategy of more than one worker."
         )
-    _check_unbatched(dataset)
+    _lengths.check_unbatched(dataset)
     max_batch_size = _checks.integer("max_batch_size", max_batch_size, 1)
     replicas = model.distribute_strategy.num_replicas_in_sync
     multiple = replicas if multiple is None else multiple
@@ -277,19 +270,23 @@ def memory_buckets(
             f"Received: max_batch_size={max_batch_size}"
         )
     headroom = _checks.fraction("headroom", headroom)
-    dataset = _examples(dataset)
-    length_fn = _length_fn(dataset, length_fn)
-    lengths = _read_lengths(dataset, length_fn)
+    dataset = _lengths.examples(dataset)
+    length_fn = _lengths.length_fn_of(dataset, length_fn)
+    lengths = _lengths.read_lengths(dataset, length_fn)
     if bucket_boundaries is None:
-        boundaries = _default_boundaries(lengths)
+        boundaries = _lengths.default_boundaries(lengths)
     else:
-        boundaries = _checked_boundaries(bucket_boundaries, lengths)
-    padded = [boundary - 1 for boundary in boundaries]
+        boundaries = _lengths.checked_boundaries(bucket_boundaries, lengths)
     counts = np.bincount(
         np.searchsorted(boundaries, lengths, side="right"),
         minlength=len(boundaries),
     )[: len(boundaries)]
+    # A bucket with no example needs no size (and its length no probe).
+    boundaries = [b for b, c in zip(boundaries, counts, strict=True) if c]
+    counts = [int(c) for c in counts if c]
+    padded = [boundary - 1 for boundary in boundaries]
     if estimate is None:
+        _check_every_input_varies(dataset)
         estimate = _estimate(model, dataset, length_fn, lengths, padded)
     elif not isinstance(estimate, estimate_lib.MemoryEstimate):
         raise TypeError(
@@ -303,7 +300,7 @@ def memory_buckets(
             "Received an estimate without one."
         )
     held = estimate_lib.held_bytes(estimate.device, estimate.state_bytes)
-    limit = _usable_limit(estimate, held)
+    limit = _usable_limit(estimate, held, headroom)
 
     def size_at(length: int) -> int:
         size = estimate.max_batch_size(
@@ -324,7 +321,7 @@ def memory_buckets(
         # The bucket past the last boundary holds nothing; it needs a size.
         bucket_batch_sizes=tuple(sizes) + (max(sizes[-1], 1),),
         lengths=tuple(padded),
-        counts=tuple(int(c) for c in counts),
+        counts=tuple(counts),
         predicted_peak_bytes=tuple(int(p) for p in peaks),
         estimate=estimate,
         length_fn=length_fn,
@@ -336,195 +333,38 @@ def bucket_by_memory(
     dataset: tf.data.Dataset,
     model: keras.Model,
     *,
+    length_fn: Callable | None = None,
+    bucket_boundaries=None,
+    max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+    multiple: int | None = None,
+    headroom: float = HEADROOM,
+    estimate: estimate_lib.MemoryEstimate | None = None,
     padding_values=None,
     drop_remainder: bool = False,
-    **kwargs,
 ) -> tf.data.Dataset:
     """`dataset` batched by length, each batch as large as memory allows.
 
-    `memory_buckets(dataset, model, **kwargs).apply(dataset, ...)`: see
-    `memory_buckets` for the arguments and the errors.
+    `memory_buckets(dataset, model, ...).apply(dataset, padding_values=...,
+    drop_remainder=...)`: see `memory_buckets` for the arguments and the
+    errors, and `MemoryBuckets.apply` for the last two.
 
     Example:
     >>> train = tfmemsafe.data.bucket_by_memory(examples, model)
     >>> model.fit(train, epochs=3)
     """
-    buckets = memory_buckets(dataset, model, **kwargs)
-    # Keras then knows the epoch's length (its progress bar, and no "ran
-    # out of data" warning). Only for the examples the buckets counted.
-    return buckets._batched(
+    buckets = memory_buckets(
         dataset,
-        padding_values,
-        drop_remainder,
-        buckets.num_batches(drop_remainder),
+        model,
+        length_fn=length_fn,
+        bucket_boundaries=bucket_boundaries,
+        max_batch_size=max_batch_size,
+        multiple=multiple,
+        headroom=headroom,
+        estimate=estimate,
     )
-
-
-def _check_unbatched(dataset) -> None:
-    if not isinstance(dataset, tf.data.Dataset):
-        raise TypeError(
-            "`dataset` must be an unbatched tf.data.Dataset of examples. "
-            f"Received: dataset={dataset!r:.80} of type "
-            f"{type(dataset).__name__}"
-        )
-    batched, size = _pipelines.batching_of(dataset)
-    if batched:
-        raise ValueError(
-            "`dataset` must be unbatched (one example per element): the "
-            "buckets batch it, each at its own size. Received a dataset "
-            f"batched{'' if size is None else f' by {size}'}; pass it "
-            "before its `batch`, or `dataset.unbatch()`."
-        )
-
-
-def _examples(dataset):
-    """`dataset` with its one-row ragged parts as dense tensors.
-
-    `from_tensor_slices` of a `tf.RaggedTensor` gives each row as a
-    ragged tensor of ragged rank 0, which `padded_batch` refuses; a `map`
-    hands them on as the dense tensors they are.
-    """
-    ragged = [
-        spec
-        for spec in tf.nest.flatten(dataset.element_spec)
-        if isinstance(spec, tf.RaggedTensorSpec) and spec.ragged_rank == 0
-    ]
-    return _pipelines.passed_through(dataset) if ragged else dataset
-
-
-def _length_fn(dataset, length_fn) -> Callable:
-    """`length_fn` (or the default), returning a scalar `int32`."""
-    if length_fn is None:
-        length_fn = _default_length_fn(dataset.element_spec)
-    elif not callable(length_fn):
-        raise TypeError(
-            "`length_fn` must be a callable returning an example's length, "
-            f"or None. Received: length_fn={length_fn!r:.80}"
-        )
-    spec = dataset.map(length_fn).element_spec
-    if (
-        not isinstance(spec, tf.TensorSpec)
-        or spec.shape.rank != 0
-        or not spec.dtype.is_integer
-    ):
-        raise TypeError(
-            "`length_fn` must return a scalar integer, the example's "
-            f"length. Received: length_fn returning {spec}"
-        )
-    user_fn = length_fn
-
-    def as_int32(*parts):
-        return tf.cast(user_fn(*parts), tf.int32)
-
-    return as_int32
-
-
-def _default_length_fn(element_spec) -> Callable:
-    """The first axis of the first input leaf whose first axis varies."""
-    labelled = isinstance(element_spec, tuple)
-    leaves = keras.tree.flatten(element_spec[0] if labelled else element_spec)
-    varying = [
-        index
-        for index, leaf in enumerate(leaves)
-        if getattr(leaf, "shape", None) is not None
-        and leaf.shape.rank
-        and leaf.shape[0] is None
-    ]
-    if not varying:
-        raise ValueError(
-            "`dataset`'s inputs have no axis of varying length, so "
-            "`length_fn` is needed to say an example's length. Received "
-            f"examples of {element_spec}"
-        )
-    index = varying[0]
-
-    def first_axis(*parts):
-        inputs = parts[0] if labelled else parts
-        return tf.shape(keras.tree.flatten(inputs)[index])[0]
-
-    return first_axis
-
-
-def _read_lengths(dataset, length_fn) -> np.ndarray:
-    cardinality = int(dataset.cardinality())
-    if cardinality == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(
-            "`dataset` must be finite: every example's length is read once "
-            "to choose the buckets. Received an endless dataset; pass it "
-            "before its `repeat()`."
-        )
-    batches = dataset.map(length_fn).batch(_READ_BATCH)
-    parts = [np.asarray(b) for b in batches.as_numpy_iterator()]
-    lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    if not lengths.size:
-        raise ValueError("`dataset` must hold at least one example.")
-    if lengths.min() < 0:
-        index = int(np.argmin(lengths))
-        raise ValueError(
-            "`length_fn` must return lengths >= 0. Received: a length of "
-            f"{int(lengths[index])} for example {index}"
-        )
-    return lengths.astype(np.int64)
-
-
-def _round_up(length: int) -> int:
-    return -(-length // _LENGTH_MULTIPLE) * _LENGTH_MULTIPLE
-
-
-def _default_boundaries(lengths) -> list[int]:
-    """Padded lengths of 8k, each at least 1.5 times the last, plus one."""
-    longest = _round_up(max(int(lengths.max()), 1))
-    padded = [min(_round_up(max(int(lengths.min()), 1)), longest)]
-    while padded[-1] < longest:
-        grown = _round_up(math.ceil(padded[-1] * _BUCKET_RATIO))
-        padded.append(min(grown, longest))
-    boundaries = np.asarray(padded) + 1
-    counts = np.bincount(
-        np.searchsorted(boundaries, lengths, side="right"),
-        minlength=len(boundaries),
+    return buckets.apply(
+        dataset, padding_values=padding_values, drop_remainder=drop_remainder
     )
-    return [int(b) for b, c in zip(boundaries, counts, strict=False) if c]
-
-
-def _checked_boundaries(bucket_boundaries, lengths) -> list[int]:
-    if isinstance(bucket_boundaries, (str, bytes)) or not hasattr(
-        bucket_boundaries, "__iter__"
-    ):
-        raise TypeError(
-            "`bucket_boundaries` must be a list of integers or None. "
-            f"Received: bucket_boundaries={bucket_boundaries!r}"
-        )
-    boundaries = [
-        _checks.integer("bucket_boundaries", b, 1) for b in bucket_boundaries
-    ]
-    if not boundaries or sorted(set(boundaries)) != boundaries:
-        raise ValueError(
-            "`bucket_boundaries` must be a non-empty list of increasing "
-            f"lengths. Received: bucket_boundaries={list(bucket_boundaries)!r}"
-        )
-    longest = int(lengths.max())
-    if longest >= boundaries[-1]:
-        boundaries.append(longest + 1)
-    return boundaries
-
-
-def _resized(dataset, length_fn, length: int):
-    """Examples made `length` long: their own values repeated, or cut."""
-
-    def resize(tensor):
-        if tensor.shape.rank and tensor.shape[0] is None:
-            times = -(-length // tf.shape(tensor)[0])
-            multiples = tf.concat(
-                [[times], tf.ones([tensor.shape.rank - 1], tf.int32)], 0
-            )
-            tensor = tf.tile(tensor, multiples)[:length]
-            return tf.ensure_shape(tensor, [length, *tensor.shape[1:]])
-        return tensor
-
-    nonempty = dataset.filter(lambda *parts: length_fn(*parts) > 0)
-    if isinstance(dataset.element_spec, tuple):
-        return nonempty.map(lambda *parts: tf.nest.map_structure(resize, parts))
-    return nonempty.map(lambda part: tf.nest.map_structure(resize, part))
 
 
 def _estimate(model, dataset, length_fn, lengths, padded):
@@ -536,15 +376,16 @@ def _estimate(model, dataset, length_fn, lengths, padded):
     base = next(length for length in padded if length >= median)
     others = {padded[0], padded[-1]}
     for end in (padded[0], padded[-1]):
-        middle = _round_up(int(round(math.sqrt(end * base))))
+        middle = _lengths.round_up(int(round(math.sqrt(end * base))))
         others.add(min(max(middle, padded[0]), padded[-1]))
     others = sorted(others - {base})
     if not others:  # One bucket: any other length gives the slope in it.
         others = [max(base // 2, 1)]
-    # Checked as `estimate_memory` checks them, then probed nearer the
-    # limit than its default: every bucket's size is a prediction at the
-    # limit, and the nearer the probes, the less the line is extrapolated.
-    data = _resized(dataset, length_fn, base)
+    # Probed nearer the limit than `estimate_memory`'s default: every
+    # bucket's size is a prediction at the limit, and the nearer the
+    # probes, the less the line is extrapolated. The lengths are ints
+    # >= 1 other than `base`, sorted, as `estimate_source` wants them.
+    data = _lengths.resized(dataset, base)
     source = source_for(
         data, "dataset", labelled=True, strategy=model.distribute_strategy
     )
@@ -553,14 +394,37 @@ def _estimate(model, dataset, length_fn, lengths, padded):
     )
 
 
-def _usable_limit(estimate, held: int) -> int:
+def _usable_limit(estimate, held: int, headroom: float) -> int:
+    """The limit that leaves `headroom` of the device's free with `held`
+    in use: `fit`'s rule (`memory.fits_within` of the peak and what is
+    held), as a limit for `MemoryEstimate.max_batch_size`."""
     if estimate.limit_bytes is None:
         raise ValueError(
             f"The memory limit of {estimate.device} is unknown, so no batch "
             "size can be chosen by memory. Pass a `tfmemsafe."
             "MemoryEstimate` whose device has a known limit."
         )
-    return max(estimate.limit_bytes - held, 1)
+    return max(int(estimate.limit_bytes - held / (1 - headroom)), 1)
+
+
+def _check_every_input_varies(dataset) -> None:
+    """The probes resize every input with a second axis of the data's
+    length; an input that does not vary could be resized with them."""
+    spec = dataset.element_spec
+    inputs = spec[0] if isinstance(spec, tuple) else spec
+    fixed = [
+        leaf
+        for leaf in keras.tree.flatten(inputs)
+        if leaf.shape.rank and leaf.shape[0] is not None
+    ]
+    if fixed:
+        raise ValueError(
+            "`memory_buckets` can estimate memory only for examples whose "
+            "inputs all vary in length (along their first axis): the "
+            "memory model resizes them all. Pass an `estimate` made with "
+            "`tfmemsafe.estimate_memory(..., lengths=...)`. Received "
+            f"inputs of fixed shape too: {fixed}"
+        )
 
 
 def _raise_too_long(lengths, estimate, size_at, multiple, headroom):

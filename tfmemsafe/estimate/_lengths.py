@@ -75,6 +75,11 @@ def fit_powers(lengths, slopes, powers, relative=True) -> tuple[float, ...]:
     """
     lengths = np.asarray(lengths, float)
     slopes = np.asarray(slopes, float)
+    if relative and np.count_nonzero(slopes > 0) >= 2:
+        # A length whose probes sat on the floor measured no slope: its
+        # zero says nothing about the polynomial, and as a relative error
+        # it would flatten it.
+        lengths, slopes = lengths[slopes > 0], slopes[slopes > 0]
     weights = np.ones_like(slopes)
     if relative:
         floor = 1e-3 * max(float(slopes.max()), 1e-9)
