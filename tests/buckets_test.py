@@ -241,6 +241,7 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
             event["batch_size_after"], event["batch_size_before"] // 2
         )
         self.assertEqual(result["batch_size"], event["batch_size_after"])
+        self.assertIsNone(event["resumed_at_step"])
         # The epoch began again from its start: each example counted once
         # an epoch, none twice.
         self.assertEqual(result["seen"], [2.0], msg=result)

@@ -123,8 +123,9 @@ class Source:
         """The data as a dataset of batches of `batch_size`."""
         raise NotImplementedError
 
-    def position_is_reproducible(self, batch_size: int) -> bool:
-        """Whether the data gives the same samples in the same order again.
+    def position_is_reproducible(self, batch_size: int) -> bool | str:
+        """Whether the data gives the same samples in the same order again
+        (`True`), or why not (a falsy value for the usual reason).
 
         A dataset does unless it reshuffles at each iteration, or lets
         `tf.data` trade order for speed.
@@ -436,8 +437,8 @@ class BucketedExamples(Source):
     def num_samples(self) -> int | None:
         return sum(self.buckets.counts) if self.counted else None
 
-    def position_is_reproducible(self, batch_size: int) -> bool:
-        return False
+    def position_is_reproducible(self, batch_size: int) -> bool | str:
+        return "its length buckets hold other examples at another size"
 
     def dataset(self, batch_size: int, *, repeat: bool = False):
         dataset = self.buckets.scaled(batch_size).apply(self.data)

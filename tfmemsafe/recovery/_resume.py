@@ -206,8 +206,9 @@ class Position(keras.callbacks.Callback):
                 update (read before anything else trained).
             steps_fixed: bool. Whether the phase's steps are set by the
                 user (`steps_per_epoch` or `validation_steps`).
-            reproducible: bool. Whether the phase's data gives the same
-                order again at the new batch size.
+            reproducible: bool or str. Whether the phase's data gives the
+                same order again at the new batch size (`True`), or why
+                it does not.
 
         Returns:
             A `ResumePoint`.
@@ -215,7 +216,7 @@ class Position(keras.callbacks.Callback):
         if self.phase == "validation":
             # Training of the epoch is done: it is never replayed. The
             # validation goes on at its failed step, or starts again.
-            if reproducible and not steps_fixed:
+            if reproducible is True and not steps_fixed:
                 return ResumePoint(
                     self.epoch,
                     validation_skip=self.validation_samples_done,
@@ -229,8 +230,8 @@ class Position(keras.callbacks.Callback):
             refusal = "an update had begun when memory ran out"
         elif steps_fixed:
             refusal = "`steps_per_epoch` is set"
-        elif not reproducible:
-            refusal = (
+        elif reproducible is not True:
+            refusal = reproducible or (
                 "the data does not give the same order again: shuffled "
                 "without a fixed seed, or not deterministic"
             )
