@@ -563,6 +563,47 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
             estimate.peak_bytes(10, 128), 100 * _MB + 64 * 1024 + 20 * _MB
         )
 
+    def test_a_measurement_above_the_polynomial_raises_it_there(self):
+        # At 128 the polynomial says 2 MB a sample; 50 samples held 3 each.
+        estimate = dataclasses.replace(
+            self._by_length((0.0, 1.0, 0.0)),
+            length_measurements=((50, 128, 250 * _MB),),
+        )
+        self.assertEqual(estimate.peak_bytes(50, 128), 250 * _MB)
+        self.assertEqual(estimate.peak_bytes(10, 128), 130 * _MB)
+        self.assertEqual(estimate.max_batch_size(length=128), 266)
+        # Not at the data's own length; halfway (in the log) half as much;
+        # past the longest measured, as much as there.
+        self.assertEqual(estimate.per_sample_bytes_at(64), _MB)
+        self.assertAllClose(
+            estimate.per_sample_bytes_at(91), 91 / 64 * _MB * 1.25, rtol=1e-2
+        )
+        self.assertAllClose(estimate.per_sample_bytes_at(256), 6 * _MB)
+
+    def test_a_longer_length_is_never_predicted_cheaper(self):
+        # 256 measured below the polynomial, 128 above it.
+        estimate = dataclasses.replace(
+            self._by_length((0.0, 1.0, 0.0)),
+            length_measurements=(
+                (50, 128, 250 * _MB),
+                (50, 256, 200 * _MB),
+            ),
+        )
+        self.assertAllClose(estimate.per_sample_bytes_at(256), 4 * _MB)
+        for length in range(128, 257, 8):
+            self.assertGreaterEqual(
+                estimate.per_sample_bytes_at(length), 3 * _MB - 1
+            )
+
+    def test_a_measurement_on_the_floor_raises_nothing(self):
+        # 2 samples' predicted 4 MB is less than the fixed part's 100 MB:
+        # what they peaked at is the floor's, not theirs.
+        estimate = dataclasses.replace(
+            self._by_length((0.0, 1.0, 0.0)),
+            length_measurements=((2, 128, 150 * _MB),),
+        )
+        self.assertEqual(estimate.per_sample_bytes_at(128), 2 * _MB)
+
     def test_a_length_that_measured_no_slope_is_left_out(self):
         from tfmemsafe.estimate import _lengths
 

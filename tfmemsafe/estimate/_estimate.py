@@ -29,6 +29,8 @@ from tfmemsafe.estimate._result import MemoryEstimate
 
 # The probes the line's slope is fitted to: the largest three.
 _FITTED = 3
+# A length's second probe is at most this many times its first.
+_LENGTH_PROBE_SPAN = 4
 
 
 def estimate_memory(
@@ -211,14 +213,19 @@ def estimate_source(
 def _measure_lengths(probe, model, source, lengths, measurements, line, free):
     """The per-sample and fixed parts' polynomials in the length.
 
-    At each length, two batch sizes a factor two apart, chosen to hold
-    about as many elements as the largest probe of the data's own length
-    (fewer, if the length's power predicts the larger to grow the peak
-    by more than twice the largest probe did, or by more than half the
-    free memory); their slope is that length's per-sample part, and
-    where the line through them meets batch 0, above the data's length's
-    `fixed`, what the length adds to the fixed part (a transformer's
-    attention at 512 tokens held 13 MiB that no sample added to).
+    At each length, two batch sizes: the first holds about half as many
+    elements as the largest probe of the data's own length (fewer, if the
+    length's power predicts it to grow the peak by more than `allowed`:
+    twice what the largest probe did, at most half the free memory); the
+    second is as large as the first's reading predicts to grow the peak
+    by `allowed`, two to `_LENGTH_PROBE_SPAN` times the first. The
+    length's per-sample part is what the second holds above the data's
+    length's `fixed`, per sample: its average, not the pair's slope, which
+    at 512 tokens came from batches of 1 and 2 and read 12 to 20 MiB a
+    sample where 7 samples held 18.6 each. What the first holds above
+    the line through the second is what the length adds to the fixed
+    part. (Where the polynomial falls below a probe, the estimate is
+    raised there: `MemoryEstimate.per_sample_bytes_at`.)
     """
     fixed, slope = line
     base = _lengths.base_length(source)
@@ -233,25 +240,34 @@ def _measure_lengths(probe, model, source, lengths, measurements, line, free):
     grown = max(top_peak - measurements[0][1], slope * top)
     allowed = 2 * grown if free is None else min(2 * grown, free / 2)
     points, slopes, triples, excess = [base], [slope], [], [0.0]
+
+    def run(batch_size):
+        arguments = _lengths.resized_arguments(
+            source, batch_size, length, _probe._PROBE_STEPS
+        )
+        _, peak, _ = probe.run(batch_size, arguments)
+        triples.append((batch_size, length, peak))
+        return peak
+
     for length in lengths:
         ratio = (length / base) ** max(powers)
-        size = max(2 * replicas, int(top * base / length))
+        size = max(replicas, int(top * base / length) // 2)
         # Predicted growth at `size`, by the steepest power the graph has.
-        while size > 2 * replicas and slope * size * ratio > allowed:
+        while size > replicas and slope * size * ratio > allowed:
             size //= 2
-        size -= size % (2 * replicas)
-        size = max(size, 2 * replicas)
-        pair = []
-        for batch_size in (size // 2, size):
-            arguments = _lengths.resized_arguments(
-                source, batch_size, length, _probe._PROBE_STEPS
-            )
-            _, peak, _ = probe.run(batch_size, arguments)
-            pair.append(peak)
-            triples.append((batch_size, length, peak))
+        first = max(size - size % replicas, replicas)
+        low = run(first)
+        # Per sample at the first, with what the length adds to the fixed.
+        each = max(low - fixed, 1.0) / first
+        second = min(int(allowed / each), _LENGTH_PROBE_SPAN * first)
+        second = max(second - second % replicas, 2 * first)
+        while second > 2 * first and not probe.room_for(fixed + each * second):
+            second = max(second // 2 - second // 2 % replicas, 2 * first)
+        high = run(second)
+        average = max(high - fixed, 0.0) / second
         points.append(length)
-        slopes.append(max(pair[1] - pair[0], 0) / (size - size // 2))
-        excess.append(max(pair[0] - slopes[-1] * (size // 2) - fixed, 0.0))
+        slopes.append(average)
+        excess.append(max(low - fixed - average * first, 0.0))
     coefficients = _lengths.fit_powers(points, slopes, powers)
     fixed_coefficients = _lengths.fit_powers(
         points, excess, powers, relative=False

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import numpy as np
 
 from tfmemsafe import _checks
 from tfmemsafe import memory
@@ -70,7 +73,11 @@ class MemoryEstimate:
             a length adds to the fixed part: `c0 + c1 l + c2 l^2` bytes
             less its value at `length` (never below 0).
         length_measurements: tuple of `(batch_size, length, peak_bytes)`
-            triples: the probes at other lengths.
+            triples: the probes at other lengths, and what was measured
+            since (`tfmemsafe.data.memory_buckets` adds each bucket's
+            batch). The per-sample part is raised where one of them held
+            more than the polynomial predicts (`per_sample_bytes_at`), so
+            a prediction is never below a measurement.
         largest_tensor_bytes: float. The bytes per sample of the step's
             largest tensor (from the traced forward pass);
             `max_batch_size` keeps room for `SPARE_TENSORS` of them.
@@ -113,7 +120,7 @@ class MemoryEstimate:
         """The fixed part at `length` (the data's own for `None`)."""
         if length is None or length == self.length:
             return float(self.fixed_bytes)
-        self.per_sample_bytes_at(length)  # Checks `length`.
+        self._fitted_per_sample(length)  # Checks `length`.
         if not self.length_fixed_coefficients:
             return float(self.fixed_bytes)
         added = polynomial(self.length_fixed_coefficients, length)
@@ -131,8 +138,33 @@ class MemoryEstimate:
         return peak + self.spare_bytes(batch_size, length) <= usable
 
     def per_sample_bytes_at(self, length: int | None = None) -> float:
-        """The per-sample part at `length` (the data's own for `None`)."""
-        if length is None or length == self.length:
+        """The per-sample part at `length` (the data's own for `None`).
+
+        The polynomial's value, raised where a measurement at a length
+        (`length_measurements`) held more than it predicts: there, by as
+        much as the measurement needs; between measured lengths, by what
+        the two nearest needed, interpolated in the log of the length;
+        beyond them, by what the nearest needed. Never below its value
+        at a shorter measured length: a longer sample holds no less.
+        """
+        if length is None:
+            length = self.length
+        if length is None or not self.length_coefficients:
+            if length is not None and length != self.length:
+                self._fitted_per_sample(length)  # Raises.
+            return self.per_sample_bytes
+        return max(
+            self._lifted(n)
+            for n in {length, *self._needed_lifts}
+            if n <= length
+        )
+
+    def _lifted(self, length: int) -> float:
+        return self._fitted_per_sample(length) * self._lift(length)
+
+    def _fitted_per_sample(self, length: int) -> float:
+        """The per-sample part at `length` by the line and the polynomial."""
+        if length == self.length:
             return self.per_sample_bytes
         length = _checks.integer("length", length, 1)
         if not self.length_coefficients:
@@ -145,6 +177,41 @@ class MemoryEstimate:
             polynomial(self.length_coefficients, length)
             / polynomial(self.length_coefficients, self.length)
         )
+
+    def _lift(self, length: int) -> float:
+        """How much the per-sample part at `length` is raised (>= 1)."""
+        needed = self._needed_lifts
+        if not needed:
+            return 1.0
+        lengths = sorted(needed)
+        return float(
+            np.interp(
+                math.log(length),
+                [math.log(n) for n in lengths],
+                [needed[n] for n in lengths],
+            )
+        )
+
+    @functools.cached_property
+    def _needed_lifts(self) -> dict:
+        """Each measured length's lift: what its highest measurement off
+        the floor needs the per-sample part raised by (1 where none needs
+        it; 1 at the data's own length unless measured there)."""
+        needed = {}
+        for size, length, peak in self.length_measurements:
+            fixed = self.fixed_bytes_at(length)
+            fitted = size * self._fitted_per_sample(length)
+            if fitted < fixed:
+                # On the floor: at a batch this small the moment of the
+                # fixed part sets the peak, which says nothing of the
+                # per-sample part (29 samples of 8 tokens peaked 2.5
+                # times the line's per-sample part above the fixed).
+                continue
+            lift = (peak - fixed) / fitted
+            needed[length] = max(needed.get(length, 1.0), lift)
+        if needed:
+            needed.setdefault(self.length, 1.0)
+        return needed
 
     def max_batch_size(
         self,
