@@ -95,7 +95,20 @@ def buckets_under_cap(name):
         )
         if count >= size
     ]
+    # The buckets' measurements (`memory_buckets` adds one a bucket, last)
+    # that the prediction falls below, leaving out those on the floor.
+    estimate = buckets.estimate
+    measured = estimate.length_measurements[-len(buckets.lengths) :]
+    below = [
+        (size, length, peak, estimate.peak_bytes(size, length))
+        for size, length, peak in measured
+        if estimate.peak_bytes(size, length) < peak
+        and size * estimate._fitted_per_sample(length)
+        >= estimate.fixed_bytes_at(length)
+    ]
     return {
+        "measured": [(size, length) for size, length, _ in measured],
+        "below": below,
         "full": full,
         "lengths": list(buckets.lengths),
         "sizes": list(buckets.bucket_batch_sizes),
@@ -211,6 +224,15 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
             self.assertIn(length, sizes, msg=result["text"])
             self.assertLessEqual(batch, sizes[length], msg=result["text"])
         self.assertEqual(result["lengths"][-1], result["longest"])
+        # Each bucket's batch was measured, and no prediction is below it.
+        self.assertEqual(
+            [length for _, length in result["measured"]], result["lengths"]
+        )
+        for (measured, _), size, count in zip(
+            result["measured"], result["sizes"], result["counts"], strict=False
+        ):
+            self.assertGreaterEqual(measured, min(size, count))
+        self.assertEqual(result["below"], [], msg=result["text"])
 
     @parameterized.parameters("gru", "transformer")
     def test_longer_buckets_get_smaller_batches_that_train_without_oom(

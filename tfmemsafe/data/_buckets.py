@@ -19,6 +19,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe import _pipelines
@@ -27,6 +28,7 @@ from tfmemsafe import estimate as estimate_lib
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
 from tfmemsafe.data import _lengths
+from tfmemsafe.errors import MemoryEstimateError
 
 _DEFAULT_MAX_BATCH_SIZE = 4096
 # Every bucket's batch is predicted near the limit, where the allocator's
@@ -257,7 +259,9 @@ def memory_buckets(
     use now. Without `estimate`, it estimates the training step's memory
     (`tfmemsafe.estimate_memory`) on the data's own examples, resized to
     the length of the bucket holding the median example, and probed also
-    at the shortest and the longest bucket's length.
+    at the shortest and the longest bucket's length; then it trains each
+    bucket's batch for a few steps and sizes the buckets again from the
+    estimate raised where a step held more than predicted.
 
     Args:
         dataset: A finite, unbatched `tf.data.Dataset` of `(inputs,
@@ -285,8 +289,9 @@ def memory_buckets(
             bucket's batch is a prediction near the limit (see
             docs/variable-length.md).
         estimate: `tfmemsafe.MemoryEstimate` or `None`. A memory model of
-            this model's training step made with `lengths`, to use instead
-            of making one. Defaults to `None`.
+            this model's training step made with `lengths` (or a plan's
+            `estimate`, with its buckets' measurements), to use instead of
+            making one and measuring. Defaults to `None`.
 
     Returns:
         A `MemoryBuckets`; its `apply(dataset)` batches the data.
@@ -345,9 +350,16 @@ def memory_buckets(
     boundaries = [b for b, c in zip(boundaries, counts, strict=True) if c]
     counts = [int(c) for c in counts if c]
     padded = [boundary - 1 for boundary in boundaries]
-    if estimate is None:
+    measure = estimate is None
+    if measure:
         _check_every_input_varies(dataset)
-        estimate = _estimate(model, dataset, length_fn, lengths, padded)
+        source = _source(model, dataset, lengths, padded)
+        estimate = estimate_lib.estimate_source(
+            model,
+            source,
+            lengths=_probe_lengths(padded, source),
+            probe_budget=_PROBE_BUDGET,
+        )
     elif not isinstance(estimate, estimate_lib.MemoryEstimate):
         raise TypeError(
             "`estimate` must be a tfmemsafe.MemoryEstimate or None. "
@@ -361,19 +373,34 @@ def memory_buckets(
         )
     held = estimate_lib.held_bytes(estimate.device, estimate.state_bytes)
     limit = _usable_limit(estimate, held, headroom)
+    cap = max_batch_size - max_batch_size % multiple
 
-    def size_at(length: int) -> int:
+    def size_at(length: int) -> int:  # By the estimate of the moment.
         size = estimate.max_batch_size(
             limit, headroom=headroom, multiple=multiple, length=length
         )
-        return min(size, max_batch_size - max_batch_size % multiple)
+        return min(size, cap)
 
     sizes = [size_at(length) for length in padded]
-    fitting = zip(counts, sizes, strict=True)
-    if any(count and not size for count, size in fitting):
+    if measure and all(sizes):
+        # Each bucket's largest batch trained for a few steps, and the
+        # estimate raised where one held more than predicted: no size is
+        # then above what a measurement says fits.
+        batches = [
+            (max(multiple, min(size, count) // multiple * multiple), length)
+            for size, count, length in zip(sizes, counts, padded, strict=True)
+        ]
+        estimate = _measured(model, source, estimate, batches)
+        # Never larger than before: a measurement at a length may need
+        # less raising there than its neighbours' did before.
+        sizes = [
+            min(size, size_at(length))
+            for size, length in zip(sizes, padded, strict=True)
+        ]
+    if not all(sizes):
         _raise_too_long(lengths, estimate, size_at, multiple, headroom)
     peaks = [
-        estimate.peak_bytes(max(size, 1), length=length) + held
+        estimate.peak_bytes(size, length=length) + held
         for length, size in zip(padded, sizes, strict=True)
     ]
     return MemoryBuckets(
@@ -427,13 +454,26 @@ def bucket_by_memory(
     )
 
 
-def _estimate(model, dataset, length_fn, lengths, padded):
-    """The training step's estimate at the median example's bucket length,
-    probed also at the shortest and longest buckets' lengths and midway
-    (geometrically) between them and it: five lengths for at most three
-    terms, so that no one length's reading sets the polynomial."""
+def _source(model, dataset, lengths, padded):
+    """The examples at the median example's bucket length, as probes'
+    data (the estimate's `length`)."""
     median = float(np.median(lengths))
     base = next(length for length in padded if length >= median)
+    return source_for(
+        _lengths.resized(dataset, base),
+        "dataset",
+        labelled=True,
+        strategy=model.distribute_strategy,
+    )
+
+
+def _probe_lengths(padded, source) -> list:
+    """The other lengths to probe: the shortest and longest buckets', and
+    midway (geometrically) between them and the data's: five lengths for
+    at most three terms, so that no one length's reading sets the
+    polynomial. Ints >= 1 other than the data's, sorted, as
+    `estimate_source` wants them."""
+    base = estimate_lib.base_length(source)
     others = {padded[0], padded[-1]}
     for end in (padded[0], padded[-1]):
         middle = _lengths.round_up(int(round(math.sqrt(end * base))))
@@ -441,16 +481,75 @@ def _estimate(model, dataset, length_fn, lengths, padded):
     others = sorted(others - {base})
     if not others:  # One bucket: any other length gives the slope in it.
         others = [max(base // 2, 1)]
-    # Probed nearer the limit than `estimate_memory`'s default: every
-    # bucket's size is a prediction at the limit, and the nearer the
-    # probes, the less the line is extrapolated. The lengths are ints
-    # >= 1 other than `base`, sorted, as `estimate_source` wants them.
-    data = _lengths.resized(dataset, base)
-    source = source_for(
-        data, "dataset", labelled=True, strategy=model.distribute_strategy
+    return others
+
+
+# Steps each bucket's batch is measured for; the highest counts.
+_MEASURED_STEPS = 3
+
+
+def _measured(model, source, estimate, batches):
+    """`estimate` with each `(batch_size, length)` of `batches` measured.
+
+    One `model.fit` trains `_MEASURED_STEPS` steps of each, the examples
+    resized as the probes resize them (one trace: the batches differ only
+    in their shape). The highest step of each is added to the estimate's
+    `length_measurements`, which raises the prediction where it held
+    more (`MemoryEstimate.per_sample_bytes_at`). A batch that runs out
+    counts as the whole limit, and the steps go on with the next. The
+    model is left as it was.
+    """
+    devices = [estimate.device]
+    probe = estimate_lib.Probe(
+        model, source, devices, limits={estimate.device: estimate.limit_bytes}
     )
-    return estimate_lib.estimate_source(
-        model, source, lengths=others, probe_budget=_PROBE_BUDGET
+    triples = []
+    try:
+        while len(triples) < len(batches):
+            remaining = batches[len(triples) :]
+            data = None
+            for size, length in remaining:
+                part = estimate_lib.resized_arguments(
+                    source, size, length, _MEASURED_STEPS
+                )["x"]
+                data = part if data is None else data.concatenate(part)
+            peaks, error = probe.step_peaks(
+                remaining[0][0], {"x": data, "shuffle": False}
+            )
+            steps = peaks[estimate.device]
+            for (size, length), start in zip(
+                remaining,
+                range(0, len(steps) - _MEASURED_STEPS + 1, _MEASURED_STEPS),
+                strict=False,
+            ):
+                highest = max(steps[start : start + _MEASURED_STEPS])
+                triples.append((size, length, highest))
+            if error is not None:
+                # Its frames hold the failed step's tensors.
+                error.__traceback__ = None
+                del error
+                size, length = batches[len(triples)]
+                triples.append((size, length, estimate.limit_bytes))
+            elif len(triples) < len(batches):
+                raise MemoryEstimateError(
+                    "Could not measure the buckets' batches: "
+                    f"{estimate.device} reported no peak memory."
+                )
+    finally:
+        probe.close()
+    for size, length, peak in triples:
+        logging.vlog(
+            1,
+            "tfmemsafe.data.memory_buckets: batch %d at length %d peaked "
+            "at %s (predicted %s).",
+            size,
+            length,
+            mib(peak),
+            mib(estimate.peak_bytes(size, length)),
+        )
+    return dataclasses.replace(
+        estimate,
+        length_measurements=estimate.length_measurements + tuple(triples),
     )
 
 

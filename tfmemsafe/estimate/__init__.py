@@ -12,6 +12,9 @@ from tfmemsafe.estimate._estimate import MemoryEstimate
 from tfmemsafe.estimate._estimate import estimate_memory
 from tfmemsafe.estimate._estimate import estimate_source
 from tfmemsafe.estimate._graph import bound_terms
+from tfmemsafe.estimate._lengths import base_length
+from tfmemsafe.estimate._lengths import resized_arguments
+from tfmemsafe.estimate._probe import Probe
 from tfmemsafe.estimate._probe import devices_of
 from tfmemsafe.estimate._probe import held_bytes
 from tfmemsafe.estimate._probe import state_bytes
@@ -19,11 +22,14 @@ from tfmemsafe.estimate._result import largest_fitting
 
 __all__ = [
     "MemoryEstimate",
+    "Probe",
+    "base_length",
     "bound_terms",
     "devices_of",
     "estimate_memory",
     "estimate_source",
     "held_bytes",
     "largest_fitting",
+    "resized_arguments",
     "state_bytes",
 ]

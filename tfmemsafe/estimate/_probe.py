@@ -263,41 +263,69 @@ class Probe:
         are the `model.fit` arguments to train on instead of the source's.
         """
         self.tried.append(batch_size)
+        peaks, error = self.step_peaks(batch_size, arguments)
+        if error is not None:
+            raise OutOfMemoryError(
+                f"Could not estimate memory: a probe batch of {batch_size} "
+                "ran out of memory. Pass smaller `batch_sizes`.",
+                self.tried,
+            ) from error
+        medians = {
+            device: int(np.median(values))
+            for device, values in peaks.items()
+            if values
+        }
+        if not medians:
+            raise MemoryEstimateError(
+                f"Could not estimate memory: {', '.join(self.devices)} "
+                "reported no peak memory after a training step."
+            )
+        device = max(medians, key=lambda d: medians[d])
+        logging.vlog(
+            1,
+            "tfmemsafe.estimate_memory: batch %d peaked at %s on %s.",
+            batch_size,
+            mib(medians[device]),
+            device,
+        )
+        return batch_size, medians[device], device
+
+    def step_peaks(self, batch_size: int, arguments=None):
+        """Every step's peak on each device, as `run` reads them, and the
+        out-of-memory error that stopped the steps (else `None`).
+
+        A step's peak is its growth over what was in use before the
+        steps, plus the model's state (and the arrays, for array data).
+        After an error, the steps that ended before it are in the lists,
+        and the failed steps' functions are dropped, so that their
+        memory is free again.
+        """
         # What the previous probe's `fit` left (its iterator, a copy of the
         # data) must not count in this one's peak, nor in its baseline.
         gc.collect()
         before = {device: _current_bytes(device) for device in self.devices}
         steps = _StepPeaks(self.window, self.devices)
+        error = None
         try:
             self._steps(batch_size, steps, arguments)
         except Exception as err:
             if not memory.is_oom_error(err):
                 raise
-            raise OutOfMemoryError(
-                f"Could not estimate memory: a probe batch of {batch_size} "
-                "ran out of memory. Pass smaller `batch_sizes`.",
-                self.tried,
-            ) from err
-        peaks = {}
-        for device in self.devices:
-            median = steps.median(device)
-            if median:
-                grown = max(median - before[device], 0)
-                peaks[device] = self.state_bytes + self.data_bytes + grown
-        if not peaks:
-            raise MemoryEstimateError(
-                f"Could not estimate memory: {', '.join(self.devices)} "
-                "reported no peak memory after a training step."
-            )
-        device = max(peaks, key=lambda d: peaks[d])
-        logging.vlog(
-            1,
-            "tfmemsafe.estimate_memory: batch %d peaked at %s on %s.",
-            batch_size,
-            mib(peaks[device]),
-            device,
-        )
-        return batch_size, peaks[device], device
+            error = err
+            self.model.train_function = None
+            self.model.test_function = None
+            self.model.predict_function = None
+            gc.collect()
+        counted = self.state_bytes + self.data_bytes
+        peaks = {
+            device: [
+                counted + max(peak - before[device], 0)
+                for peak in steps.peaks.get(device, [])
+                if peak
+            ]
+            for device in self.devices
+        }
+        return peaks, error
 
     def _steps(self, batch_size: int, steps, arguments=None) -> None:
         """Runs `_PROBE_STEPS` steps of the phase at `batch_size`."""
@@ -362,7 +390,7 @@ def held_bytes(device, state_bytes: int) -> int:
 
 
 class _StepPeaks(keras.callbacks.Callback):
-    """Every step's peak, each device's; `median` reads them.
+    """Every step's peak, each device's.
 
     The window is reset just before each step, so a reading is the step's,
     not that of `fit`'s setup: converting arrays to tensors may briefly
@@ -382,10 +410,6 @@ class _StepPeaks(keras.callbacks.Callback):
         for device in self.devices:
             peak = self.window.peak_bytes(device) or 0
             self.peaks.setdefault(device, []).append(peak)
-
-    def median(self, device) -> int | None:
-        peaks = self.peaks.get(device)
-        return int(np.median(peaks)) if peaks else None
 
     on_test_batch_begin = on_train_batch_begin
     on_predict_batch_begin = on_train_batch_begin
