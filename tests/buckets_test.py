@@ -167,10 +167,10 @@ def fit_auto_under_cap(hold):
     data, _ = _sequences()
     examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
     model = _counting_gru()
-    # 4 MB let go at once: putting the epoch's start back needs 1 MiB
-    # free (`_model_state`), and with none it raised out of `fit` in CI
-    # (an open bug of every restarted epoch with memory held elsewhere).
-    held = _models.HeldUntilNextStep(1, 1, leave_mb=4)
+    # Nothing let go: putting the epoch's start back reads it into the
+    # memory `fit` kept back (`_model_state.Reserve`); without that, it
+    # raised ResourceExhaustedError out of `fit` here.
+    held = _models.HeldUntilNextStep(1, 1)
     callbacks = [held] if hold else []
     with testing.AllocatorFailures() as failures:
         history = tfmemsafe.fit(

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import shutil
 import tempfile
+from unittest import mock
 
 import _models
 import keras
@@ -26,6 +27,7 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import distribute
 from tfmemsafe import testing
+from tfmemsafe.recovery import _resume as recovery_resume
 
 # These tests count every forward pass in a variable the model does not
 # own, and make memory run out on purpose: a memory estimate's probes (the
@@ -389,6 +391,36 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertAllEqual(model.seen.numpy(), np.full(_ROWS, 2.0))
         self.assertEqual(int(model.optimizer.iterations), 8 + 16)
+
+    def test_an_epoch_start_that_cannot_be_read_back_is_said(self):
+        # What is left when even the reserve let go cannot hold a piece:
+        # an OutOfMemoryError that says how the model is left, never a
+        # raw ResourceExhaustedError out of the restore.
+        inputs, y = _models.table(ids=True)
+        rows = tf.data.Dataset.from_tensor_slices((inputs, y))
+        short = tf.errors.ResourceExhaustedError(
+            None, None, "OOM when allocating tensor with shape[262144]"
+        )
+        with mock.patch.object(
+            recovery_resume.EpochStart, "restore", side_effect=short
+        ):
+            with self.assertRaisesRegex(
+                tfmemsafe.OutOfMemoryError,
+                "could not put back the state epoch 2 started with.*"
+                "partly those of the start of epoch 2",
+            ) as raised:
+                _fit(
+                    _counting(),
+                    lambda size: rows.shuffle(_ROWS).batch(size),
+                    batch_size=_BATCH,
+                    epochs=2,
+                    callbacks=[testing.SimulatedOutOfMemory(("train", 1, 5))],
+                    verbose=0,
+                )
+        self.assertIs(raised.exception.__cause__, short)
+        self.assertEqual(
+            raised.exception.tried_batch_sizes, (_BATCH, _BATCH // 2)
+        )
 
 
 # Scenarios run in child processes under a real allocator cap. Each returns

@@ -12,19 +12,25 @@ import dataclasses
 
 import keras
 
+from tfmemsafe._model_state import Reserve
 from tfmemsafe._model_state import Snapshot
+from tfmemsafe.estimate import devices_of
 
 
 class EpochStart(keras.callbacks.Callback):
     """Keeps the state the current epoch started with, to go back to it.
 
     The copy is on disk (`Snapshot`), replaced at each epoch's start.
+    Beside it, a `Reserve` of device memory is let go just before the
+    copy is put back, so that it can be read back while something else
+    holds all the rest.
     """
 
     def __init__(self):
         super().__init__()
         self.snapshot = None
         self.epoch = None
+        self.reserve = None
 
     def on_epoch_begin(self, epoch, logs=None):
         # A retry starts at the epoch it has just restored: no new copy.
@@ -33,17 +39,27 @@ class EpochStart(keras.callbacks.Callback):
             self.epoch = epoch
             if previous is not None:
                 previous.close()
+        if self.reserve is None:
+            self.reserve = Reserve(devices_of(self.model))
+        self.reserve.take()
 
     def restore(self) -> None:
         """Puts back the state of the start of the epoch, if one began."""
-        if self.snapshot is not None:
-            self.snapshot.restore()
+        if self.snapshot is None:
+            return
+        if self.reserve is not None:
+            self.reserve.release()
+        self.snapshot.restore()
+        if self.reserve is not None:
+            self.reserve.take()
 
     def close(self) -> None:
-        """Deletes the copy: the run is over."""
+        """Deletes the copy and lets the reserve go: the run is over."""
         if self.snapshot is not None:
             self.snapshot.close()
             self.snapshot = None
+        if self.reserve is not None:
+            self.reserve.release()
 
 
 @dataclasses.dataclass(frozen=True)

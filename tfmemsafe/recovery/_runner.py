@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _messages
@@ -294,7 +295,7 @@ class FitRun:
             if phase == TRAINING and before and after:
                 _carry_partial_window(self.model, after / before)
         else:
-            self.epoch_start.restore()
+            self._put_epoch_start_back()
             forget_epoch(
                 self.history, point.epoch, self.position.epoch_end_keys
             )
@@ -332,6 +333,27 @@ class FitRun:
         self.history.oom_events.append(event)
         return event
 
+    def _put_epoch_start_back(self) -> None:
+        """Restores the epoch's start; says so if memory is too short.
+
+        With the reserve let go (`EpochStart`), a piece fails to be read
+        only where something else took that memory too.
+        """
+        try:
+            self.epoch_start.restore()
+        except tf.errors.ResourceExhaustedError as err:
+            epoch = (self.epoch_start.epoch or 0) + 1
+            raise OutOfMemoryError(
+                "tfmemsafe.fit ran out of memory and then could not put "
+                f"back the state epoch {epoch} started with: not even 1 MiB "
+                "of it could be read back while something else held the "
+                "rest of the memory. The model's variables are partly those "
+                f"of the start of epoch {epoch} and partly those of the "
+                "failed step: load them from a checkpoint "
+                "(`keras.callbacks.BackupAndRestore` or `ModelCheckpoint`).",
+                self.policy.tried(self.position.phase),
+            ) from err
+
     def _source(self, phase: str) -> Source | None:
         if phase == VALIDATION:
             return self.validation_source
@@ -341,7 +363,7 @@ class FitRun:
         """Puts back the last completed epoch's state; says so."""
         self.callbacks.abandon_attempt()
         release(self.model)
-        self.epoch_start.restore()
+        self._put_epoch_start_back()
         epoch = self.epoch_start.epoch
         if epoch is None or epoch == self.first_epoch:
             return _with_state(error, "before training", self.model)
