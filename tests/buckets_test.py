@@ -10,6 +10,7 @@ they need no probe.
 import concurrent.futures
 import dataclasses
 import os
+from unittest import mock
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
 # be chosen before TensorFlow is imported.
@@ -339,6 +340,49 @@ class MemoryBucketsTest(tf.test.TestCase):
             self.assertEqual(size % 8, 0)
             self.assertLessEqual(estimate.peak_bytes(size, length), usable)
             self.assertGreater(estimate.peak_bytes(size + 8, length), usable)
+
+    def test_a_measured_batch_that_runs_out_counts_as_the_limit(self):
+        from tfmemsafe.data import _buckets
+
+        sizes = []
+
+        class Probe:  # Two buckets' steps, then the third runs out.
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def step_peaks(self, batch_size, arguments):
+                sizes.append(batch_size)
+                if len(sizes) == 1:
+                    error = tf.errors.ResourceExhaustedError(None, None, "OOM")
+                    return {"CPU:0": [10, 12, 11, 20, 21, 22, 30]}, error
+                return {"CPU:0": [40, 41, 42]}, None
+
+            def close(self):
+                pass
+
+        def resized(source, size, length, steps):
+            return {"x": tf.data.Dataset.range(steps)}
+
+        estimate = _estimate()
+        batches = [(8, 16), (4, 32), (2, 64), (1, 128)]
+        with (
+            mock.patch.object(_buckets.estimate_lib, "Probe", Probe),
+            mock.patch.object(
+                _buckets.estimate_lib, "resized_arguments", resized
+            ),
+        ):
+            measured = _buckets._measured(self.model, None, estimate, batches)
+        # The steps went on with the bucket after the one that ran out.
+        self.assertEqual(sizes, [8, 1])
+        self.assertEqual(
+            measured.length_measurements[-4:],
+            (
+                (8, 16, 12),
+                (4, 32, 22),
+                (2, 64, estimate.limit_bytes),
+                (1, 128, 42),
+            ),
+        )
 
     def test_sizes_stop_at_max_batch_size(self):
         buckets = self._buckets(max_batch_size=100)

@@ -525,9 +525,11 @@ def _measured(model, source, estimate, batches):
                 highest = max(steps[start : start + _MEASURED_STEPS])
                 triples.append((size, length, highest))
             if error is not None:
-                # Its frames hold the failed step's tensors.
-                error.__traceback__ = None
-                del error
+                # Its frames (and its context's) hold the failed step's
+                # tensors.
+                while error is not None:
+                    error.__traceback__ = None
+                    error = error.__cause__ or error.__context__
                 size, length = batches[len(triples)]
                 triples.append((size, length, estimate.limit_bytes))
             elif len(triples) < len(batches):
