@@ -353,11 +353,18 @@ def memory_buckets(
     measure = estimate is None
     if measure:
         _check_every_input_varies(dataset)
-        source = _source(model, dataset, lengths, padded)
+        median = float(np.median(lengths))
+        base = next(length for length in padded if length >= median)
+        source = source_for(
+            _lengths.resized(dataset, base),
+            "dataset",
+            labelled=True,
+            strategy=model.distribute_strategy,
+        )
         estimate = estimate_lib.estimate_source(
             model,
             source,
-            lengths=_probe_lengths(padded, source),
+            lengths=_probe_lengths(padded, base),
             probe_budget=_PROBE_BUDGET,
         )
     elif not isinstance(estimate, estimate_lib.MemoryEstimate):
@@ -454,26 +461,13 @@ def bucket_by_memory(
     )
 
 
-def _source(model, dataset, lengths, padded):
-    """The examples at the median example's bucket length, as probes'
-    data (the estimate's `length`)."""
-    median = float(np.median(lengths))
-    base = next(length for length in padded if length >= median)
-    return source_for(
-        _lengths.resized(dataset, base),
-        "dataset",
-        labelled=True,
-        strategy=model.distribute_strategy,
-    )
-
-
-def _probe_lengths(padded, source) -> list:
-    """The other lengths to probe: the shortest and longest buckets', and
-    midway (geometrically) between them and the data's: five lengths for
-    at most three terms, so that no one length's reading sets the
-    polynomial. Ints >= 1 other than the data's, sorted, as
-    `estimate_source` wants them."""
-    base = estimate_lib.base_length(source)
+def _probe_lengths(padded, base) -> list:
+    """The other lengths to probe than `base` (the median example's
+    bucket's, the probes' data's): the shortest and longest buckets', and
+    midway (geometrically) between them and `base`: five lengths for at
+    most three terms, so that no one length's reading sets the
+    polynomial. Ints >= 1 other than `base`, sorted, as `estimate_source`
+    wants them."""
     others = {padded[0], padded[-1]}
     for end in (padded[0], padded[-1]):
         middle = _lengths.round_up(int(round(math.sqrt(end * base))))

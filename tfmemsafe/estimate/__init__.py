@@ -12,7 +12,6 @@ from tfmemsafe.estimate._estimate import MemoryEstimate
 from tfmemsafe.estimate._estimate import estimate_memory
 from tfmemsafe.estimate._estimate import estimate_source
 from tfmemsafe.estimate._graph import bound_terms
-from tfmemsafe.estimate._lengths import base_length
 from tfmemsafe.estimate._lengths import resized_arguments
 from tfmemsafe.estimate._probe import Probe
 from tfmemsafe.estimate._probe import devices_of
@@ -23,7 +22,6 @@ from tfmemsafe.estimate._result import largest_fitting
 __all__ = [
     "MemoryEstimate",
     "Probe",
-    "base_length",
     "bound_terms",
     "devices_of",
     "estimate_memory",
