@@ -21,6 +21,7 @@ from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.estimate import MemoryEstimate
 from tfmemsafe.estimate import estimate_memory
 from tfmemsafe.history import FitHistory
+from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.memory import MemoryInfo
 from tfmemsafe.memory import default_devices
@@ -50,6 +51,7 @@ __all__ = [
     "DatasetUnavailableError",
     "FitHistory",
     "GradientAccumulator",
+    "GrowBackEvent",
     "InferenceMode",
     "MemoryEstimate",
     "MemoryEstimateError",

@@ -1,4 +1,5 @@
-"""What `tfmemsafe.fit` returns: a `FitHistory` with an `OOMEvent` each."""
+"""What `tfmemsafe.fit` returns: a `FitHistory` with an `OOMEvent` for each
+out-of-memory error and a `GrowBackEvent` for each batch size grown back."""
 
 from __future__ import annotations
 
@@ -65,6 +66,47 @@ class OOMEvent:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class GrowBackEvent:
+    """A training batch size that `tfmemsafe.fit` grew back after memory
+    that had made it shrink was freed.
+
+    `str(event)` is one line, e.g. `"epoch 2, training step 6: batch size
+    128 -> 256, accumulation steps 1"` (the epoch counted from 1).
+
+    Attributes:
+        epoch: int. The epoch, counted from 0 as Keras callbacks count.
+        step: int. The step it went on at with the larger size, counted in
+            batches of any size; 0 at the start of an epoch.
+        batch_size_before: int. The batch size it had shrunk to.
+        batch_size_after: int. The batch size used from then on.
+        accumulation_steps: int or `None`. The model's
+            `accumulation_steps` from then on; `None` for a model without
+            gradient accumulation.
+        predicted: str. The prediction that let it grow (`"peak 212.3 MiB
+            predicted against 90% of 450.0 MiB on CPU:0"`).
+    """
+
+    epoch: int
+    step: int
+    batch_size_before: int
+    batch_size_after: int
+    accumulation_steps: int | None
+    predicted: str
+
+    def __str__(self) -> str:
+        accumulation = (
+            ""
+            if self.accumulation_steps is None
+            else f", accumulation steps {self.accumulation_steps}"
+        )
+        return (
+            f"epoch {self.epoch + 1}, training step {self.step}: batch "
+            f"size {self.batch_size_before} -> {self.batch_size_after}"
+            f"{accumulation}"
+        )
+
+
 class FitHistory(keras.callbacks.History):
     """The `keras.callbacks.History` that `tfmemsafe.fit` returns.
 
@@ -80,6 +122,9 @@ class FitHistory(keras.callbacks.History):
         oom_events: list of `OOMEvent`. The out-of-memory errors recovered
             from, in order, after the pre-flight check's event if it
             changed the batch size (`phase == "preflight"`).
+        grow_back_events: list of `GrowBackEvent`. The training batch
+            sizes grown back once the memory that made them shrink was
+            freed (`grow_back_after` of `tfmemsafe.fit`), in order.
         batch_size: int or `None`. The training batch size `fit` ended
             with; `None` until it has ended.
 
@@ -92,6 +137,7 @@ class FitHistory(keras.callbacks.History):
     def __init__(self):
         super().__init__()
         self.oom_events: list[OOMEvent] = []
+        self.grow_back_events: list[GrowBackEvent] = []
         self.batch_size: int | None = None
 
 
@@ -102,6 +148,7 @@ def fit_history_of(callbacks: list) -> FitHistory:
             if not isinstance(callback, FitHistory):
                 callback.__class__ = _with_fit_history(type(callback))
             callback.oom_events = []
+            callback.grow_back_events = []
             callback.batch_size = None
             return callback
     return FitHistory()

@@ -51,6 +51,7 @@ def fit(
     max_retries: int | None = None,
     preflight: bool = True,
     memory_estimate: bool = True,
+    grow_back_after: int | None = 100,
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose="auto",
     **fit_kwargs,
@@ -83,6 +84,14 @@ def fit(
        the data cannot give the same order again, or the failed step had
        begun its update, it restores the state the epoch started with and
        starts the epoch again (see docs/oom-recovery.md).
+
+    After a shrink, when the memory that made the batch run out is freed
+    (something else held it for a while), the batch grows back to the
+    size it had, halving `accumulation_steps` again, once
+    `grow_back_after` steps have trained cleanly and the memory estimate
+    predicts that size fits beside what is held now: one log line and a
+    `GrowBackEvent` in `history.grow_back_events`. A size that runs out
+    again in the same epoch is not tried again in that epoch.
 
     Before the first step (`preflight=True`), it estimates the training
     step's memory; when the batch size asked for is predicted not to fit,
@@ -137,6 +146,13 @@ def fit(
             model's steps at small batches and puts back every variable
             the model tracks; turn it off for a model whose calls have
             effects outside its variables. Defaults to `True`.
+        grow_back_after: int or `None`. How many training steps must
+            train without an error after a shrink before the batch may
+            grow back to a size it had, when the memory estimate predicts
+            that size fits again (never, for a size that has run out
+            twice in the epoch). `None` never grows back. It needs the
+            memory estimate, and is off on a multi-worker job and for
+            examples batched by length buckets. Defaults to 100.
         callbacks: list of `keras.callbacks.Callback`. Passed to every
             attempt, `tfmemsafe.MemoryMonitor`s first so that the callbacks
             after them see `memory_peak_mb` in the epoch logs.
@@ -148,8 +164,9 @@ def fit(
     Returns:
         A `tfmemsafe.FitHistory`: a `keras.callbacks.History` with one
         entry per completed epoch across all attempts, plus `oom_events`
-        (a list of `OOMEvent`) and `batch_size` (the training batch size at
-        the end). A `History` passed in `callbacks` is the one returned,
+        (a list of `OOMEvent`), `grow_back_events` (a list of
+        `GrowBackEvent`) and `batch_size` (the training batch size at the
+        end). A `History` passed in `callbacks` is the one returned,
         made a `FitHistory` in place.
 
     Raises:
@@ -189,6 +206,8 @@ def fit(
         )
     preflight = _checks.boolean("preflight", preflight)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
+    if grow_back_after is not None:
+        _checks.integer("grow_back_after", grow_back_after)
     if batch_size == "auto" and _varies_in_length(train_source):
         train_source, validation_source = _bucketed(
             model, train_source, validation_source, memory_estimate
@@ -220,6 +239,7 @@ def fit(
         keep_effective_batch_size=keep_effective_batch_size,
         preflight=preflight,
         memory_estimate=memory_estimate,
+        grow_back_after=grow_back_after,
         verbose=verbose,
         other_arguments=other_arguments,
     )

@@ -44,6 +44,9 @@ class _Facts:
     Attributes:
         trained: int. The largest batch size that trained (0 for none).
         ran_out: int or `None`. The smallest that ran out of memory.
+        held_when_ran_out: dict. Per device, what something else held
+            beside the model's state just after the last size ran out
+            (`note_held_after_failure`); empty when not read.
         estimate: `MemoryEstimate` or `None`. The step's estimate, once
             made.
     """
@@ -51,11 +54,16 @@ class _Facts:
     def __init__(self):
         self.trained = 0
         self.ran_out = None
+        self.held_when_ran_out = {}
         self.estimate = None
         self.bound = _UNTRACED
 
 
 _UNTRACED = object()
+
+# The default probes run at 8 and 32 before their own room check begins
+# (`estimate._probe.measure_default_sizes`).
+_UNCHECKED_PROBE = 32
 
 # Per model: `(step, optimizer id, sample signature)` to its `_Facts`.
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -93,6 +101,48 @@ class SizePlanner:
         # A size that ran out is no longer known to fit, whatever ran
         # before (memory held elsewhere, fragmentation).
         facts.trained = min(facts.trained, batch_size - 1)
+
+    def note_held_after_failure(self, phase: str, source) -> None:
+        """Reads what something else holds on each device, just after
+        `phase`'s step ran out and its attempt let go of its memory: the
+        size that ran out needs more than the rest of the limit."""
+        facts = self._facts_of(phase, source)
+        state = estimate_lib.state_bytes(self.model)
+        facts.held_when_ran_out = {
+            device: estimate_lib.held_bytes(device, state)
+            for device in estimate_lib.devices_of(self.model)
+        }
+
+    def fits_again(self, phase: str, source, batch_size: int) -> str:
+        """Whether `batch_size` is predicted to fit `phase`'s step now,
+        after it (or a smaller size) ran out of memory in this process.
+
+        Only an estimate already made decides (nothing is probed here).
+        What ran out is a measurement: the size needed more than the
+        limit less what something else held then, so its step is taken to
+        need at least that, whatever the estimate says. It fits again only
+        once enough of what was held then has been freed, by the one rule
+        (`memory.fits_within`).
+
+        Returns:
+            What decided it (`"peak 212.3 MiB predicted against 90% of
+            450.0 MiB on CPU:0"`) if it fits; `""` if not, or if there is
+            no estimate or no reading of what was held.
+        """
+        facts = self._facts_of(phase, source)
+        made = facts.estimate
+        if made is None or made.limit_bytes is None:
+            return ""
+        peak = _own_peak(made, batch_size)
+        if _over(batch_size, facts.ran_out):
+            held_then = facts.held_when_ran_out.get(made.device)
+            if held_then is None:
+                return ""
+            peak = max(peak, made.limit_bytes - held_then)
+        peak += estimate_lib.held_bytes(made.device, made.state_bytes)
+        if not memory.fits_within(peak, made.limit_bytes):
+            return ""
+        return _against_limit(made, peak)
 
     def halvings(
         self,
@@ -168,6 +218,18 @@ class SizePlanner:
             facts.estimate = made
         return facts.estimate
 
+    def estimate_with_room(self, phase: str, source, largest: int):
+        """`phase`'s estimate, as `estimate`, but made now only where the
+        static bound says the probes that run before their own room check
+        fit beside what is held now; else `None`, and it may be asked
+        again later (between epochs, once memory is freed)."""
+        facts = self._facts_of(phase, source)
+        if facts.estimate is None and not self._under_bound(
+            facts, source, min(_UNCHECKED_PROBE, largest)
+        ):
+            return None
+        return self.estimate(phase, source, largest)
+
     def _make(self, phase: str, source, largest: int):
         if distribute.is_multi_worker(self.model.distribute_strategy):
             return None, "a multi-worker job (workers could choose differently)"
@@ -194,11 +256,7 @@ class SizePlanner:
 
     def _describe(self, made, batch_size: int) -> str:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
-        return (
-            f"peak {mib(_predicted_peak(made, batch_size))} predicted "
-            f"against {100 * (1 - memory.HEADROOM):.0f}% of "
-            f"{mib(made.limit_bytes)} on {made.device}"
-        )
+        return _against_limit(made, _predicted_peak(made, batch_size))
 
     def _key(self, phase: str, source) -> tuple:
         optimizer = id(self.model.optimizer) if phase == "training" else 0
@@ -212,11 +270,25 @@ def _over(size: int, ran_out: int | None) -> bool:
     return ran_out is not None and size >= ran_out
 
 
+def _own_peak(made, batch_size: int) -> float:
+    """The predicted peak of the step and its spare room."""
+    return made.peak_bytes(batch_size) + made.spare_bytes(batch_size)
+
+
 def _predicted_peak(made, batch_size: int) -> float:
     """The predicted peak and its spare room, beside what something else
     holds now."""
     held = estimate_lib.held_bytes(made.device, made.state_bytes)
-    return made.peak_bytes(batch_size) + made.spare_bytes(batch_size) + held
+    return _own_peak(made, batch_size) + held
+
+
+def _against_limit(made, peak: float) -> str:
+    """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
+    return (
+        f"peak {mib(peak)} predicted against "
+        f"{100 * (1 - memory.HEADROOM):.0f}% of {mib(made.limit_bytes)} on "
+        f"{made.device}"
+    )
 
 
 def _predicted_to_fit(made, batch_size: int, headroom=None) -> bool:

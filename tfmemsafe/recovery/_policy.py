@@ -197,6 +197,44 @@ class SizePolicy:
             return None
         return self._decision(TRAINING, size, steps, predicted)
 
+    def growth_sizes(self) -> list[int]:
+        """The training sizes it could grow back to, largest first.
+
+        Sizes this call trained at or tried before, larger than the
+        current one by a power of two that divides the accumulation steps
+        (so the effective batch is kept exactly).
+        """
+        size = self.batch_size(TRAINING)
+        steps = self._accumulation_steps()
+        divide = bool(steps) and self.keep_effective_batch_size
+        sizes = set()
+        for larger in self._phases[TRAINING].tried:
+            factor = larger // size
+            if (
+                larger > size
+                and larger == size * factor
+                and factor & (factor - 1) == 0
+                and (not divide or steps % factor == 0)
+            ):
+                sizes.add(larger)
+        return sorted(sizes, reverse=True)
+
+    def grow(self, batch_size: int, predicted: str) -> SizeDecision:
+        """Training's batch back to `batch_size`, one of `growth_sizes()`,
+        once the memory that made it shrink is predicted to be free
+        (`predicted` says so); spends no retry. Validation that follows
+        training follows it, and the accumulation steps are divided so
+        that each update averages the same samples."""
+        sizes = self._phases[TRAINING]
+        before = sizes.batch_size
+        steps = self._accumulation_steps()
+        sizes.tried.append(batch_size)
+        if self.follows_training:
+            self._phases[VALIDATION].tried.append(batch_size)
+        if steps and self.keep_effective_batch_size:
+            self.model.accumulation_steps = steps // (batch_size // before)
+        return self._decision(TRAINING, before, steps, predicted)
+
     def restore(self, tried, accumulation_steps) -> SizeDecision:
         """Goes on with the training sizes a stopped job stored."""
         steps = self._accumulation_steps()

@@ -11,6 +11,7 @@ batch size. The sizes are the `SizePolicy`'s, where to go on is
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import numpy as np
 import tensorflow as tf
@@ -25,6 +26,9 @@ from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.monitor import monitors_first
 from tfmemsafe.recovery import _backup
+from tfmemsafe.recovery._grow_back import GrowBack
+from tfmemsafe.recovery._grow_back import GrowNow
+from tfmemsafe.recovery._grow_back import Growth
 from tfmemsafe.recovery._planner import SizePlanner
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import VALIDATION
@@ -61,9 +65,10 @@ class FitRun:
     from step k on at the new batch size. The runner owns no size: it
     asks the `SizePolicy` (which asks the `SizePlanner`), asks `Position`
     where to go on, applies the answers, logs each decision in one line
-    and records its `OOMEvent`. The state that changes during the call
-    lives in those owners; the runner's own is `next`, the
-    `ResumePoint` the next attempt starts at.
+    and records its `OOMEvent`. After a shrink, `GrowBack` says when the
+    batch can grow back (a `GrowBackEvent`). The state that changes
+    during the call lives in those owners; the runner's own is `next`,
+    the `ResumePoint` the next attempt starts at.
     """
 
     def __init__(
@@ -101,9 +106,17 @@ class FitRun:
         self.next = ResumePoint(settings.initial_epoch)
         self.position = Position(settings.initial_epoch, guard)
         self.epoch_start = EpochStart()
+        self.grow_back = GrowBack.for_run(model, settings, policy, planner)
         others = [c for c in callbacks if c is not history]
+        # `GrowBack` last: every other callback has seen the step end
+        # when it stops the call.
         self.callbacks = ResumableCallbackList(
-            monitors_first([self.position, self.epoch_start, *others, history]),
+            [
+                *monitors_first(
+                    [self.position, self.epoch_start, *others, history]
+                ),
+                self.grow_back,
+            ],
             add_progbar=settings.verbose != 0,
             model=model,
         )
@@ -146,7 +159,21 @@ class FitRun:
             if self.model.stop_training:
                 return
         while epoch < self.settings.epochs:
-            self._fit_epoch(epoch, self.next)
+            if not self.next.begun:
+                self._estimate_for_growing_back()
+                growth = self.grow_back.growth(epoch)
+                if growth is not None:
+                    self._grow(growth, epoch, step=0)
+            try:
+                self._fit_epoch(epoch, self.next)
+            except GrowNow as now:
+                growth = now.growth
+            else:
+                growth = None
+            if growth is not None:
+                gc.collect()  # The stopped call's iterator and its buffers.
+                self.next = self._grow(growth, epoch, self.position.steps_done)
+                continue
             self._trained(TRAINING, VALIDATION)
             epoch += 1
             self.next = ResumePoint(epoch)
@@ -235,12 +262,45 @@ class FitRun:
         epoch_logs.update({f"val_{name}": v for name, v in logs.items()})
         self.callbacks.on_epoch_end(epoch, epoch_logs)
 
+    def _grow(self, growth: Growth, epoch: int, step: int) -> ResumePoint:
+        """Grows the training batch back; where to go on (the next step).
+
+        Called between `model.fit` calls, after a step that finished: the
+        model is as the step left it, and only the metrics of the steps
+        done are carried into the next call.
+        """
+        decision = self.policy.grow(growth.batch_size, growth.predicted)
+        self.grow_back.grown(self.history, decision, epoch, step)
+        if not step:
+            return ResumePoint(epoch)
+        self.position.carry_metrics()
+        before = decision.accumulation_steps_before
+        after = decision.accumulation_steps_after
+        if before and after:
+            _carry_partial_window(self.model, after / before)
+        return ResumePoint(
+            epoch,
+            skip=self.position.samples_done,
+            resumed_at_step=step,
+            begun=True,
+        )
+
+    def _estimate_for_growing_back(self) -> None:
+        """Makes the training step's estimate, which growing back needs,
+        where it is not made yet and there is room to probe: after a
+        shrink, and between epochs while it waits to grow."""
+        if self.grow_back.after is not None and self.policy.growth_sizes():
+            self.planner.estimate_with_room(
+                TRAINING, self.train_source, self.policy.batch_size(TRAINING)
+            )
+
     def _on_oom(self, err: BaseException) -> _Failure:
         """Halves the failed phase's batch, or raises OutOfMemoryError."""
         phase = self.position.phase
-        self.planner.record_ran_out(
-            phase, self._source(phase), self.policy.batch_size(phase)
-        )
+        size = self.policy.batch_size(phase)
+        self.planner.record_ran_out(phase, self._source(phase), size)
+        if phase == TRAINING:
+            self.grow_back.shrunk(self.position.epoch, size)
         strategy = self.model.distribute_strategy
         if distribute.is_multi_worker(strategy):
             stop, decision = self.backup.stop_all_workers(
@@ -268,9 +328,11 @@ class FitRun:
     def _recover(self, failure: _Failure) -> None:
         """Jumps to a size predicted to fit; goes on where it can."""
         phase = failure.decision.phase
-        decision = self.policy.jump(
-            failure.decision, self.planner, self._source(phase)
-        )
+        source = self._source(phase)
+        self.planner.note_held_after_failure(phase, source)
+        decision = self.policy.jump(failure.decision, self.planner, source)
+        if phase == TRAINING:
+            self._estimate_for_growing_back()
         point = self.position.resume_point(
             update_began=failure.update_began,
             steps_fixed=(

@@ -30,6 +30,8 @@ class FitSettings:
             before the first step and start at a size predicted to fit.
         memory_estimate: bool. Whether memory may be estimated at all
             (the pre-flight check, and the jump after an error).
+        grow_back_after: int or `None`. The clean training steps after a
+            shrink before the batch may grow back; `None` never.
         verbose: `"auto"`, 0, 1 or 2.
         other_arguments: dict. The other `model.fit` arguments, passed to
             every attempt as they are.
@@ -48,5 +50,6 @@ class FitSettings:
     keep_effective_batch_size: bool
     preflight: bool
     memory_estimate: bool
+    grow_back_after: int | None
     verbose: int | str
     other_arguments: dict
