@@ -218,15 +218,21 @@ class SizePlanner:
             facts.estimate = made
         return facts.estimate
 
-    def estimate_with_room(self, phase: str, source, largest: int):
+    def estimate_with_room(
+        self, phase: str, source, largest: int, *, may_trace: bool
+    ):
         """`phase`'s estimate, as `estimate`, but made now only where the
         static bound says the probes that run before their own room check
         fit beside what is held now; else `None`, and it may be asked
-        again later (between epochs, once memory is freed)."""
+        again later (between epochs, once memory is freed). Without
+        `may_trace` (just after an error, memory maybe full), a bound not
+        traced yet counts as no room: tracing reads a sample of the data."""
         facts = self._facts_of(phase, source)
-        if facts.estimate is None and not self._under_bound(
-            facts, source, min(_UNCHECKED_PROBE, largest)
-        ):
+        if facts.estimate is not None:
+            return facts.estimate
+        if facts.bound is _UNTRACED and not may_trace:
+            return None
+        if not self._under_bound(facts, source, min(_UNCHECKED_PROBE, largest)):
             return None
         return self.estimate(phase, source, largest)
 

@@ -160,7 +160,7 @@ class FitRun:
                 return
         while epoch < self.settings.epochs:
             if not self.next.begun:
-                self._estimate_for_growing_back()
+                self._estimate_for_growing_back(may_trace=True)
                 growth = self.grow_back.growth(epoch)
                 if growth is not None:
                     self._grow(growth, epoch, step=0)
@@ -285,13 +285,16 @@ class FitRun:
             begun=True,
         )
 
-    def _estimate_for_growing_back(self) -> None:
+    def _estimate_for_growing_back(self, *, may_trace: bool) -> None:
         """Makes the training step's estimate, which growing back needs,
         where it is not made yet and there is room to probe: after a
         shrink, and between epochs while it waits to grow."""
         if self.grow_back.after is not None and self.policy.growth_sizes():
             self.planner.estimate_with_room(
-                TRAINING, self.train_source, self.policy.batch_size(TRAINING)
+                TRAINING,
+                self.train_source,
+                self.policy.batch_size(TRAINING),
+                may_trace=may_trace,
             )
 
     def _on_oom(self, err: BaseException) -> _Failure:
@@ -332,7 +335,7 @@ class FitRun:
         self.planner.note_held_after_failure(phase, source)
         decision = self.policy.jump(failure.decision, self.planner, source)
         if phase == TRAINING:
-            self._estimate_for_growing_back()
+            self._estimate_for_growing_back(may_trace=False)
         point = self.position.resume_point(
             update_began=failure.update_began,
             steps_fixed=(
