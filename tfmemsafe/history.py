@@ -51,11 +51,7 @@ class OOMEvent:
     resumed_at_step: int | None = None
 
     def __str__(self) -> str:
-        accumulation = (
-            ""
-            if self.accumulation_steps is None
-            else f", accumulation steps {self.accumulation_steps}"
-        )
+        accumulation = _accumulation_text(self.accumulation_steps)
         where = f"{self.phase} step {self.step}"
         if self.phase == "preflight":
             where = "pre-flight check"
@@ -95,16 +91,17 @@ class GrowBackEvent:
     predicted: str
 
     def __str__(self) -> str:
-        accumulation = (
-            ""
-            if self.accumulation_steps is None
-            else f", accumulation steps {self.accumulation_steps}"
-        )
+        accumulation = _accumulation_text(self.accumulation_steps)
         return (
             f"epoch {self.epoch + 1}, training step {self.step}: batch "
             f"size {self.batch_size_before} -> {self.batch_size_after}"
             f"{accumulation}"
         )
+
+
+def _accumulation_text(steps: int | None) -> str:
+    """`", accumulation steps 4"`, or `""` for a model without them."""
+    return "" if steps is None else f", accumulation steps {steps}"
 
 
 class FitHistory(keras.callbacks.History):

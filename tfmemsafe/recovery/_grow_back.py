@@ -26,6 +26,7 @@ from tfmemsafe._sources import BucketedExamples
 from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import SizeDecision
+from tfmemsafe.recovery._policy import accumulation_steps_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +126,14 @@ class GrowBack(keras.callbacks.Callback):
         self._failures[batch_size] += 1
         self.clean_steps = 0
 
+    def waiting(self) -> bool:
+        """Whether enough clean steps have passed for it to grow back."""
+        return self.after is not None and self.clean_steps >= self.after
+
     def growth(self, epoch: int) -> Growth | None:
         """The size to grow back to now, if any, in `epoch`."""
         self._new_epoch(epoch)
-        if self.after is None or self.clean_steps < self.after:
+        if not self.waiting():
             return None
         current = self.policy.batch_size(TRAINING)
         for size in self.policy.growth_sizes():
@@ -163,9 +168,9 @@ class GrowBack(keras.callbacks.Callback):
     def _window_splits(self, factor: int) -> bool:
         """Whether the micro-batches of the open accumulation window make
         whole ones of `factor` times their size (if the steps divide)."""
-        steps = getattr(self.model, "accumulation_steps", None)
-        if not self.policy.keep_effective_batch_size or not isinstance(
-            steps, int
+        if (
+            not self.policy.keep_effective_batch_size
+            or accumulation_steps_of(self.model) is None
         ):
             return True
         return all(

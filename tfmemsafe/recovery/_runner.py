@@ -159,7 +159,7 @@ class FitRun:
             if self.model.stop_training:
                 return
         while epoch < self.settings.epochs:
-            if not self.next.begun:
+            if not self.next.begun and self.grow_back.waiting():
                 self._estimate_for_growing_back(may_trace=True)
                 growth = self.grow_back.growth(epoch)
                 if growth is not None:
@@ -274,10 +274,7 @@ class FitRun:
         if not step:
             return ResumePoint(epoch)
         self.position.carry_metrics()
-        before = decision.accumulation_steps_before
-        after = decision.accumulation_steps_after
-        if before and after:
-            _carry_partial_window(self.model, after / before)
+        _carry_partial_window(self.model, decision)
         return ResumePoint(
             epoch,
             skip=self.position.samples_done,
@@ -355,10 +352,8 @@ class FitRun:
             # moving statistics, seeds.
             self.guard.restore_small_state()
             self.position.carry_metrics()
-            before = decision.accumulation_steps_before
-            after = decision.accumulation_steps_after
-            if phase == TRAINING and before and after:
-                _carry_partial_window(self.model, after / before)
+            if phase == TRAINING:
+                _carry_partial_window(self.model, decision)
         else:
             self._put_epoch_start_back()
             forget_epoch(
@@ -461,12 +456,14 @@ def _with_state(error: OutOfMemoryError, state: str, model) -> OutOfMemoryError:
     )
 
 
-def _carry_partial_window(model, ratio: float) -> None:
+def _carry_partial_window(model, decision: SizeDecision) -> None:
     """Keeps an `AccumulatingModel`'s partial window for the resumed call.
 
-    Its micro-batches are counted again in units of the new, smaller
-    ones, so that the window is applied after the same samples.
+    Its micro-batches are counted again in units of the new size (after
+    `decision`), so that the window is applied after the same samples.
     """
+    before = decision.accumulation_steps_before
+    after = decision.accumulation_steps_after
     carry = getattr(model, "_carry_partial_window", None)
-    if carry is not None:
-        carry(ratio)
+    if carry is not None and before and after:
+        carry(after / before)
