@@ -37,6 +37,23 @@ def dense_model(optimizer=None, seed=0, accumulation_steps=None):
     return model
 
 
+def length_estimate(**kwargs):
+    """A `MemoryEstimate` with lengths built by hand, so no probe runs:
+    1000 MB, 100 MB fixed; a sample 64 KiB and 1 KiB a token at
+    length 64 (`kwargs` change any of it)."""
+    mib = 1024 * 1024
+    defaults = dict(
+        device="CPU:0",
+        limit_bytes=1000 * mib,
+        fixed_bytes=100 * mib,
+        per_sample_bytes=128 * 1024,
+        measurements=((8, 101 * mib), (32, 104 * mib)),
+        length=64,
+        length_coefficients=(64 * 1024.0, 1024.0, 0.0),
+    )
+    return tfmemsafe.MemoryEstimate(**{**defaults, **kwargs})
+
+
 def table(rows=256, ids=False):
     """Normal features (seed 1) of 4 columns, and their sum as the target.
 

@@ -440,6 +440,11 @@ class BucketedExamples(Source):
     def position_is_reproducible(self, batch_size: int) -> bool | str:
         return "its length buckets hold other examples at another size"
 
+    def batches_are_reproducible(self) -> bool:
+        """Whether an epoch's batches at one size come again in the same
+        order (to go on after one of them, `keras_arguments`' `skip`)."""
+        return _pipelines.is_deterministic(self.data)
+
     def dataset(self, batch_size: int, *, repeat: bool = False):
         dataset = self.buckets.scaled(batch_size).apply(self.data)
         if repeat:
@@ -449,9 +454,13 @@ class BucketedExamples(Source):
     def keras_arguments(
         self, batch_size: int, skip: int = 0, order=None
     ) -> dict:
-        # No position is found again (`position_is_reproducible`): an
-        # epoch is always begun anew.
-        return {"x": self.dataset(batch_size)}
+        """Arguments for `model.fit`; `skip` counts batches here, not
+        samples: the batches done at this same size (a position is not
+        found again at another size)."""
+        dataset = self.dataset(batch_size)
+        if skip:
+            dataset = dataset.skip(skip)
+        return {"x": dataset}
 
     def sample_inputs(self):
         batch = next(iter(self.buckets.apply(self.data.take(1))))

@@ -39,6 +39,11 @@ class OOMEvent:
             validation) that training went on at, counted in batches of
             any size; `None` when the epoch started again from its first
             step (docs/oom-recovery.md says when).
+        split_into: int or `None`. For data batched by length buckets:
+            the failed batch alone was trained again as this many
+            micro-batches accumulated into one update, and the batch size
+            did not change (`batch_size_after == batch_size_before`);
+            `None` when the batch size changed instead.
     """
 
     epoch: int
@@ -49,12 +54,19 @@ class OOMEvent:
     accumulation_steps: int | None
     error: str
     resumed_at_step: int | None = None
+    split_into: int | None = None
 
     def __str__(self) -> str:
         accumulation = _accumulation_text(self.accumulation_steps)
         where = f"{self.phase} step {self.step}"
         if self.phase == "preflight":
             where = "pre-flight check"
+        if self.split_into:
+            return (
+                f"epoch {self.epoch + 1}, {where}: its batch split into "
+                f"{self.split_into} micro-batches for one update, batch "
+                f"size {self.batch_size_after} kept{accumulation}"
+            )
         return (
             f"epoch {self.epoch + 1}, {where}: batch "
             f"size {self.batch_size_before} -> {self.batch_size_after}"

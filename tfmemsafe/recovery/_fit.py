@@ -85,6 +85,14 @@ def fit(
        begun its update, it restores the state the epoch started with and
        starts the epoch again (see docs/oom-recovery.md).
 
+    On examples of varying length batched by `batch_size="auto"` (length
+    buckets, docs/variable-length.md), a batch that runs out is instead
+    read again and trained alone as 2 (then 4, 8...) micro-batches whose
+    gradients make one update, and the epoch goes on at the next batch,
+    every bucket at its size (an `OOMEvent` with `split_into`), where the
+    data gives the same batches again and the model trains with Keras'
+    own `train_step` on one replica.
+
     After a shrink, when the memory that made the batch run out is freed
     (something else held it for a while), the batch grows back to the
     size it had, halving `accumulation_steps` again, once

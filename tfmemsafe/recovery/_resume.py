@@ -77,6 +77,9 @@ class ResumePoint:
         refusal: str. Why training could not go on at the failed step.
         begun: bool. Whether the callbacks saw `epoch` begin: it goes on
             in that epoch, which they see begin only once.
+        split: int. When not 0, the step at `resumed_at_step` is trained
+            first as this many micro-batches and one update (`SplitBatch`),
+            and `skip` counts batches (of data batched by length buckets).
     """
 
     epoch: int
@@ -85,6 +88,7 @@ class ResumePoint:
     resumed_at_step: int | None = None
     refusal: str = ""
     begun: bool = False
+    split: int = 0
 
     def describe(self) -> str:
         """Where it goes on, in words: `"step 3 of epoch 2"`."""

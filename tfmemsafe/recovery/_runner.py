@@ -34,6 +34,7 @@ from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import VALIDATION
 from tfmemsafe.recovery._policy import SizeDecision
 from tfmemsafe.recovery._policy import SizePolicy
+from tfmemsafe.recovery._policy import accumulation_steps_of
 from tfmemsafe.recovery._resume import EpochStart
 from tfmemsafe.recovery._resume import Position
 from tfmemsafe.recovery._resume import ResumableCallbackList
@@ -42,6 +43,7 @@ from tfmemsafe.recovery._resume import forget_epoch
 from tfmemsafe.recovery._retry import release
 from tfmemsafe.recovery._retry import retry_on_oom
 from tfmemsafe.recovery._settings import FitSettings
+from tfmemsafe.recovery._split import SplitBatch
 from tfmemsafe.recovery._step_guard import StepGuard
 
 
@@ -54,6 +56,7 @@ class _Failure:
     step: int
     error: str
     update_began: bool
+    split: int = 0
 
 
 class FitRun:
@@ -107,6 +110,7 @@ class FitRun:
         self.position = Position(settings.initial_epoch, guard)
         self.epoch_start = EpochStart()
         self.grow_back = GrowBack.for_run(model, settings, policy, planner)
+        self.split = SplitBatch.for_run(model, settings, train_source, guard)
         others = [c for c in callbacks if c is not history]
         # `GrowBack` last: every other callback has seen the step end
         # when it stops the call.
@@ -164,6 +168,8 @@ class FitRun:
                 growth = self.grow_back.growth(epoch)
                 if growth is not None:
                     self._grow(growth, epoch, step=0)
+            if self.next.split:
+                self.next = self._train_split(epoch, self.next)
             try:
                 self._fit_epoch(epoch, self.next)
             except GrowNow as now:
@@ -262,6 +268,25 @@ class FitRun:
         epoch_logs.update({f"val_{name}": v for name, v in logs.items()})
         self.callbacks.on_epoch_end(epoch, epoch_logs)
 
+    def _train_split(self, epoch: int, point: ResumePoint) -> ResumePoint:
+        """Trains the failed step's batch split (`point.split`); where to
+        go on (the next step, at the batch size of the others).
+
+        Between `model.fit` calls, as `_grow` is: the callbacks see the
+        step begin and end, as in a call.
+        """
+        step = point.resumed_at_step
+        self.callbacks.on_train_batch_begin(step)
+        batch = self.split.batch_at(self.policy.batch_size(TRAINING), step)
+        logs = self.split.train(batch, point.split)
+        self.callbacks.on_train_batch_end(step, logs)
+        self.callbacks.end_call()
+        self.position.carry_metrics()
+        _carry_partial_window(self.model, None)
+        return ResumePoint(
+            epoch, skip=step + 1, resumed_at_step=step + 1, begun=True
+        )
+
     def _grow(self, growth: Growth, epoch: int, step: int) -> ResumePoint:
         """Grows the training batch back; where to go on (the next step).
 
@@ -295,9 +320,21 @@ class FitRun:
             )
 
     def _on_oom(self, err: BaseException) -> _Failure:
-        """Halves the failed phase's batch, or raises OutOfMemoryError."""
+        """Splits the failed batch, halves the failed phase's batch, or
+        raises OutOfMemoryError."""
         phase = self.position.phase
         size = self.policy.batch_size(phase)
+        # Read first: estimating trains, and so sets the marker.
+        update_began = self.guard.touched()
+        pieces = 0
+        if self.split is not None:
+            pieces = self.split.pieces(self.position, self.next, update_began)
+        if pieces:
+            steps = accumulation_steps_of(self.model)
+            decision = SizeDecision(phase, size, size, steps, steps)
+            return dataclasses.replace(
+                self._failure(decision, err, update_began), split=pieces
+            )
         self.planner.record_ran_out(phase, self._source(phase), size)
         if phase == TRAINING:
             self.grow_back.shrunk(self.position.epoch, size)
@@ -313,8 +350,7 @@ class FitRun:
             decision = self.policy.halve(phase, err)
         except OutOfMemoryError as gave_up:
             raise self._give_up(gave_up) from err
-        # Read now: estimating trains, and so sets the marker.
-        return self._failure(decision, err, self.guard.touched())
+        return self._failure(decision, err, update_began)
 
     def _failure(self, decision, err, update_began: bool) -> _Failure:
         return _Failure(
@@ -327,6 +363,9 @@ class FitRun:
 
     def _recover(self, failure: _Failure) -> None:
         """Jumps to a size predicted to fit; goes on where it can."""
+        if failure.split:
+            self._recover_by_splitting(failure)
+            return
         phase = failure.decision.phase
         source = self._source(phase)
         self.planner.note_held_after_failure(phase, source)
@@ -377,6 +416,31 @@ class FitRun:
             point.describe(),
         )
 
+    def _recover_by_splitting(self, failure: _Failure) -> None:
+        """Goes on at the failed step, its batch to be split."""
+        self.callbacks.abandon_attempt()
+        self.position.abandon_attempt()
+        self.guard.restore_small_state()
+        event = self._record(failure, resumed_at_step=failure.step)
+        self.next = ResumePoint(
+            failure.epoch,
+            skip=failure.step,
+            resumed_at_step=failure.step,
+            begun=True,
+            split=failure.split,
+        )
+        self.model._initial_epoch = None  # As in `_recover`.
+        logging.warning(
+            "tfmemsafe.fit: out of memory in epoch %d, training step %d: "
+            "%s. Training that batch alone as %d micro-batches accumulated "
+            "into one update; the next batches at batch size %d.",
+            event.epoch + 1,
+            event.step,
+            event.error,
+            failure.split,
+            event.batch_size_after,
+        )
+
     def _record(self, failure: _Failure, resumed_at_step) -> OOMEvent:
         """The `OOMEvent` of `failure`, appended to the history."""
         decision = failure.decision
@@ -389,6 +453,7 @@ class FitRun:
             accumulation_steps=decision.accumulation_steps_after,
             error=failure.error,
             resumed_at_step=resumed_at_step,
+            split_into=failure.split or None,
         )
         self.history.oom_events.append(event)
         return event
@@ -456,14 +521,18 @@ def _with_state(error: OutOfMemoryError, state: str, model) -> OutOfMemoryError:
     )
 
 
-def _carry_partial_window(model, decision: SizeDecision) -> None:
+def _carry_partial_window(model, decision: SizeDecision | None) -> None:
     """Keeps an `AccumulatingModel`'s partial window for the resumed call.
 
     Its micro-batches are counted again in units of the new size (after
-    `decision`), so that the window is applied after the same samples.
+    `decision`; `None` when the size did not change), so that the window
+    is applied after the same samples.
     """
-    before = decision.accumulation_steps_before
-    after = decision.accumulation_steps_after
     carry = getattr(model, "_carry_partial_window", None)
+    if decision is None:
+        before = after = accumulation_steps_of(model)
+    else:
+        before = decision.accumulation_steps_before
+        after = decision.accumulation_steps_after
     if carry is not None and before and after:
         carry(after / before)

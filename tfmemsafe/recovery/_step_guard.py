@@ -29,6 +29,7 @@ moving statistics run in the forward pass, before any gradient.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import keras
@@ -47,6 +48,7 @@ class StepGuard:
     def __init__(self, model, optimizers, accumulators):
         self.model = model
         self._patched = []
+        self._deferred = self._sink = None
         with tf.init_scope():
             self._touched = tf.Variable(False, trainable=False)
         for optimizer in optimizers:
@@ -70,6 +72,8 @@ class StepGuard:
 
         @functools.wraps(original)
         def guarded(gradients, *args, **kwargs):
+            if guard._deferred == name and tf.inside_function():
+                return guard._sink(owner, name, gradients, *args, **kwargs)
             gradients = list(gradients)
             present = [g for g in gradients if g is not None]
             if not tf.inside_function() or not present:
@@ -90,6 +94,23 @@ class StepGuard:
         # An instance attribute, so only this object and only this run.
         vars(owner)[name] = guarded
         self._patched.append((owner, name))
+
+    @contextlib.contextmanager
+    def deferring(self, name: str, sink):
+        """Hands each `name` call (`"apply"` or `"accumulate"`) traced
+        meanwhile to `sink` instead.
+
+        `sink(owner, name, gradients, *args)` is called, while a step is
+        traced, in place of `owner.name(gradients, *args)`: `SplitBatch`
+        sums a split batch's micro-batches there and makes their update
+        once. Only the step's own update is deferred: an `apply` that an
+        `accumulate`'s window makes when full is traced as it is.
+        """
+        self._deferred, self._sink = name, sink
+        try:
+            yield
+        finally:
+            self._deferred, self._sink = None, None
 
     def close(self) -> None:
         """Removes the barrier."""

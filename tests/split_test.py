@@ -1,0 +1,207 @@
+"""Tests for splitting the one batch that ran out (`recovery/_split.py`).
+
+`tfmemsafe.fit(batch_size="auto")` on examples of varying length, with
+the memory buckets planned from a hand-built estimate (no probe), and an
+out-of-memory error injected at one step; the real-cap scenario of a
+batch that runs out while memory is held is in buckets_test.
+"""
+
+import dataclasses
+from unittest import mock
+
+import _models
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfmemsafe
+
+_EXAMPLES = 96
+
+
+def _examples(shuffled=False):
+    """Unbatched `(token ids, label)`, 2 to 40 tokens long."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 41, _EXAMPLES)
+    tokens = tf.ragged.constant(
+        [rng.integers(1, 100, n) for n in lengths], dtype=tf.int32
+    )
+    labels = (lengths % 3).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((tokens, labels))
+    if shuffled:
+        data = data.shuffle(_EXAMPLES)
+    return data
+
+
+class OwnStep(keras.Sequential):
+    """A model with a `train_step` of its own (here Keras' again)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _model(accumulation_steps=None, kind=keras.Sequential):
+    keras.utils.set_random_seed(0)
+    model = kind(
+        [
+            keras.Input((None,), dtype="int32"),
+            keras.layers.Embedding(100, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(16, "relu"),
+            keras.layers.Dense(3),
+        ]
+    )
+    if accumulation_steps:
+        model = tfmemsafe.with_gradient_accumulation(model, accumulation_steps)
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _buckets(model):
+    """Buckets of 8, 16, 24 and 40 tokens, of at most 16 examples."""
+    return tfmemsafe.data.memory_buckets(
+        _examples(),
+        model,
+        estimate=_models.length_estimate(),
+        bucket_boundaries=[9, 17, 25],
+        max_batch_size=16,
+    )
+
+
+def _reference(accumulation_steps=None, epochs=1):
+    """The model after plain `model.fit` on the same batches.
+
+    Their number is asserted, so that Keras takes no step past the last
+    batch (`tfmemsafe.fit` takes none either, see `StepGuard`)."""
+    model = _model(accumulation_steps)
+    buckets = _buckets(model)
+    batches = buckets.apply(_examples()).apply(
+        tf.data.experimental.assert_cardinality(buckets.num_batches())
+    )
+    history = model.fit(batches, epochs=epochs, verbose=0)
+    return model, history.history
+
+
+class _RunsOut(keras.callbacks.Callback):
+    """Raises an OOM `times` times when training step `step` of epoch 0
+    begins (a retry, or a split, of the step begins it again)."""
+
+    def __init__(self, step, times):
+        super().__init__()
+        self.step, self.times = step, times
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == (0, self.step) and self.times:
+            self.times -= 1
+            raise tf.errors.ResourceExhaustedError(
+                None, None, "OOM when allocating tensor (injected)"
+            )
+
+
+def _fit(model, callbacks=(), shuffled=False, epochs=1):
+    with mock.patch.object(
+        tfmemsafe.data, "memory_buckets", return_value=_buckets(model)
+    ):
+        return tfmemsafe.fit(
+            model,
+            _examples(shuffled),
+            batch_size="auto",
+            epochs=epochs,
+            callbacks=list(callbacks),
+            verbose=0,
+        )
+
+
+class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(
+        ("plain", None, 3),
+        # The failed batch is a window's second micro-batch; its first.
+        ("accumulating_mid_window", 2, 3),
+        ("accumulating_window_start", 2, 2),
+    )
+    def test_a_split_batch_makes_the_update_of_the_whole_batch(
+        self, accumulation_steps, step
+    ):
+        expected, logs = _reference(accumulation_steps, epochs=2)
+        model = _model(accumulation_steps)
+        with self.assertLogs(level="WARNING") as logged:
+            history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
+        (event,) = history.oom_events
+        self.assertEqual(event.split_into, 2)
+        self.assertEqual(event.resumed_at_step, step)
+        self.assertEqual(event.batch_size_after, event.batch_size_before)
+        self.assertEqual(history.batch_size, 16)
+        self.assertIn("split into 2 micro-batches", str(event))
+        lines = [line for line in logged.output if "tfmemsafe.fit" in line]
+        self.assertLen(lines, 1)
+        self.assertIn(
+            "as 2 micro-batches accumulated into one update", lines[0]
+        )
+        for got, want in zip(
+            model.get_weights(), expected.get_weights(), strict=True
+        ):
+            self.assertAllClose(got, want, rtol=1e-5, atol=1e-6)
+        # The split step's metrics count its samples once.
+        self.assertAllClose(history.history["loss"], logs["loss"], rtol=1e-5)
+        self.assertAllClose(
+            history.history["accuracy"], logs["accuracy"], rtol=1e-5
+        )
+        self.assertEqual(
+            int(model.optimizer.iterations.numpy()),
+            int(expected.optimizer.iterations.numpy()),
+        )
+
+    def test_a_micro_batch_that_runs_out_splits_the_batch_finer(self):
+        expected, _ = _reference()
+        model = _model()
+        history = _fit(model, [_RunsOut(step=1, times=3)])
+        self.assertEqual([e.split_into for e in history.oom_events], [2, 4, 8])
+        self.assertEqual({e.step for e in history.oom_events}, {1})
+        for got, want in zip(
+            model.get_weights(), expected.get_weights(), strict=True
+        ):
+            self.assertAllClose(got, want, rtol=1e-5, atol=1e-6)
+
+    @parameterized.named_parameters(
+        ("data_in_a_new_order_each_pass", True, keras.Sequential),
+        ("a_train_step_of_its_own", False, OwnStep),
+    )
+    def test_shrinks_every_bucket_instead_for(self, shuffled, kind):
+        model = _model(kind=kind)
+        history = _fit(model, [_RunsOut(step=2, times=1)], shuffled=shuffled)
+        (event,) = history.oom_events
+        self.assertIsNone(event.split_into)
+        self.assertEqual(event.batch_size_after, event.batch_size_before // 2)
+        self.assertIsNone(event.resumed_at_step)
+
+    def test_the_event_says_what_was_split(self):
+        event = tfmemsafe.OOMEvent(
+            epoch=0,
+            step=5,
+            phase="training",
+            batch_size_before=64,
+            batch_size_after=64,
+            accumulation_steps=None,
+            error="OOM",
+            resumed_at_step=5,
+            split_into=4,
+        )
+        self.assertEqual(
+            str(event),
+            "epoch 1, training step 5: its batch split into 4 "
+            "micro-batches for one update, batch size 64 kept",
+        )
+        self.assertEqual(dataclasses.asdict(event)["split_into"], 4)
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,255 @@
+"""One batch that ran out of memory, trained as micro-batches: `SplitBatch`.
+
+Data batched by length buckets (`tfmemsafe.data`) has batches of many
+shapes; when one rare long batch runs out, the others still fit. Halving
+every bucket for the rest of the run would waste the device on all of
+them. So `tfmemsafe.fit` trains only the batch that ran out as 2 (then 4,
+8...) micro-batches, with the gradients of all of them made into one
+update, and goes on at the next batch at its normal size.
+
+The micro-batches go through the model's own `train_step`, so its loss,
+metrics and regularization are Keras' own. While they run, the
+`StepGuard` hands the step's update (`optimizer.apply`, or an
+`AccumulatingModel`'s `accumulate`) to `SplitBatch` instead, which sums
+each micro-batch's gradients weighted by its share of the batch; once all
+of them are done, the weighted mean goes to that update once. An update
+of a loss that averages over the batch (Keras' default) is then the one
+the whole batch would have made, to rounding; a window of an
+`AccumulatingModel` counts the batch once. If a micro-batch runs out too,
+the sums are dropped (nothing else was changed) and the batch is split
+finer.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmemsafe import distribute
+from tfmemsafe._sources import BucketedExamples
+from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.recovery._policy import TRAINING
+from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._step_guard import StepGuard
+
+_OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
+# The most micro-batches a batch is split into before its rows are known.
+_MOST_PIECES = 1024
+
+
+class SplitBatch:
+    """Trains one batch as micro-batches accumulated into one update.
+
+    Args:
+        model: The `keras.Model` being trained.
+        guard: The call's `StepGuard` (it hands the update over).
+        source: The training `BucketedExamples`.
+    """
+
+    def __init__(self, model, guard: StepGuard, source: BucketedExamples):
+        self.model = model
+        self.guard = guard
+        self.source = source
+        self._sums = {}  # id(variable) -> its weighted gradient sum.
+        self._total = None
+        self._updates = {}  # id(owner) -> (owner, method name, variables).
+        self._dense = set()  # id(variable) of those with a dense gradient.
+        self._traced_sparse = []  # (id(variable), (values, indices)).
+        self._sparse_ids = []  # Whose those of the traced step's output are.
+        self._rows = None  # The traced micro-batch's rows.
+        self.rows_last_tried = 0  # The rows of the last batch read again.
+
+    @classmethod
+    def for_run(cls, model, settings, source, guard) -> SplitBatch | None:
+        """A `SplitBatch` where a failed batch can be split, else `None`.
+
+        Only bucketed data has batches of other shapes that still fit;
+        the model must train with Keras' (or `AccumulatingModel`'s) own
+        step, whose only update is one `apply` (or `accumulate`), on one
+        replica; and the epoch must be able to go on at the next batch,
+        which `steps_per_epoch` (a count of batches at the old place)
+        and a multi-worker run (each worker's batch is its own) rule out.
+        """
+        strategy = model.distribute_strategy
+        if (
+            not isinstance(source, BucketedExamples)
+            or type(model).train_step not in _OWN_TRAIN_STEPS
+            or strategy.num_replicas_in_sync != 1
+            or distribute.is_multi_worker(strategy)
+            or settings.steps_per_epoch is not None
+        ):
+            return None
+        return cls(model, guard, source)
+
+    def pieces(self, position, last, update_began: bool) -> int:
+        """Into how many micro-batches the failed batch is split; 0 to
+        shrink the batch size instead.
+
+        Args:
+            position: The run's `Position` (where the failure was).
+            last: The `ResumePoint` the failed attempt started at: after a
+                split of the same step, twice its pieces.
+            update_began: bool. Whether an update of the step had begun.
+        """
+        if (
+            position.phase != TRAINING
+            or position.ending
+            or update_began
+            or not self.source.batches_are_reproducible()
+        ):
+            return 0
+        again = last.split and (last.epoch, last.resumed_at_step) == (
+            position.epoch,
+            position.step,
+        )
+        if not again:
+            return 2
+        # Pieces of one example each ran out (or, if the batch could not
+        # even be read, very many): shrinking is what is left.
+        most = self.rows_last_tried or _MOST_PIECES
+        return 0 if last.split >= most else 2 * last.split
+
+    def batch_at(self, batch_size: int, step: int):
+        """The epoch's batch `step` again, read from a new pipeline."""
+        dataset = self.source.dataset(batch_size).skip(step).take(1)
+        for batch in dataset:
+            self.rows_last_tried = _rows(batch)
+            return batch
+        raise ValueError(
+            f"The training data gave no batch {step} when it was read again "
+            "to split it: its batches are not the same at each pass."
+        )
+
+    def train(self, batch, pieces: int) -> dict:
+        """Trains `batch` as `pieces` micro-batches and one update.
+
+        Returns:
+            The logs of the step (the metrics after its last micro-batch).
+
+        Raises:
+            tf.errors.ResourceExhaustedError: A micro-batch ran out too;
+                the model's variables and optimizer are as before.
+        """
+        rows = _rows(batch)
+        bounds = np.linspace(0, rows, min(pieces, rows) + 1).astype(int)
+        variables = self.model.trainable_variables
+        with tf.init_scope():
+            self._sums = {
+                id(v): tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                for v in variables
+            }
+            self._total = tf.Variable(0.0, trainable=False)
+        self._updates, self._dense = {}, set()
+        sparse = {}  # id(variable) -> its micro-batches' (values, indices).
+        step = tf.function(self._micro_batch, reduce_retracing=True)
+        try:
+            update = "accumulate" if self._accumulates() else "apply"
+            with self.guard.deferring(update, self._defer):
+                for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+                    logs, parts = step(
+                        _slice(batch, start, end),
+                        tf.constant(end - start, tf.float32),
+                    )
+                    for key, part in zip(self._sparse_ids, parts, strict=True):
+                        sparse.setdefault(key, []).append(part)
+            tf.function(self._update)(sparse)
+            return {name: _python(value) for name, value in logs.items()}
+        finally:
+            self._sums, self._total, self._updates = {}, None, {}
+            self._dense = set()
+
+    def _accumulates(self) -> bool:
+        """Whether the step's update is an `accumulate` into a window of
+        several micro-batches, not an `apply`."""
+        return (accumulation_steps_of(self.model) or 1) > 1
+
+    def _micro_batch(self, data, rows):
+        """One micro-batch's step; with the sparse gradients it deferred,
+        which are kept as they come (see `_defer`)."""
+        self._rows = rows
+        self._traced_sparse = []
+        logs = self.model.train_step(data)
+        self._sparse_ids = [key for key, _ in self._traced_sparse]
+        return logs, [part for _, part in self._traced_sparse]
+
+    def _defer(
+        self,
+        owner,
+        name,
+        gradients,
+        trainable_variables=None,
+        sample_count=None,
+    ):
+        """The update a micro-batch's step asked for, added to the sums.
+
+        An `accumulate` call weighs its micro-batch by `sample_count` (its
+        samples, or its sample-weight sum); an `apply` call's micro-batch
+        weighs its rows, as the loss averages over them. A sparse gradient
+        (an `Embedding`'s `tf.IndexedSlices`) is kept whole, a row per
+        token: the optimizer's update of the whole batch's slices is not
+        the update of their sum per row (Keras' Adam squares each slice).
+        """
+        variables = list(
+            self.model.trainable_variables
+            if trainable_variables is None
+            else trainable_variables
+        )
+        weight = (
+            self._rows
+            if sample_count is None
+            else tf.cast(sample_count, tf.float32)
+        )
+        for gradient, variable in zip(gradients, variables, strict=True):
+            if gradient is None:
+                continue
+            scale = tf.cast(weight, gradient.dtype)
+            if isinstance(gradient, tf.IndexedSlices):
+                self._traced_sparse.append(
+                    (id(variable), (gradient.values * scale, gradient.indices))
+                )
+            else:
+                self._dense.add(id(variable))
+                self._sums[id(variable)].assign_add(gradient * scale)
+        self._total.assign_add(weight)
+        self._updates[id(owner)] = (owner, name, variables)
+
+    def _update(self, sparse):
+        """The one update, with the weighted mean of the micro-batches."""
+        for owner, name, variables in self._updates.values():
+            means = [self._mean(v, sparse.get(id(v))) for v in variables]
+            if name == "apply":
+                owner.apply(means, variables)
+            else:
+                owner.accumulate(means, variables, self._total)
+                owner.apply_if_ready(self.model.optimizer)
+
+    def _mean(self, variable, parts):
+        """`variable`'s gradient over the whole batch, or `None`."""
+        total = tf.cast(self._total, variable.dtype)
+        dense = None
+        if id(variable) in self._dense:
+            dense = self._sums[id(variable)] / total
+        if not parts:
+            return dense
+        values, indices = zip(*parts, strict=True)
+        slices = tf.IndexedSlices(
+            tf.concat(values, 0) / total,
+            tf.concat(indices, 0),
+            tf.shape(variable, out_type=indices[0].dtype),
+        )
+        return slices if dense is None else dense + tf.convert_to_tensor(slices)
+
+
+def _rows(batch) -> int:
+    return int(tf.shape(tf.nest.flatten(batch)[0])[0])
+
+
+def _slice(batch, start: int, end: int):
+    """Rows `start` to `end` of every tensor of `batch`."""
+    return tf.nest.map_structure(lambda tensor: tensor[start:end], batch)
+
+
+def _python(value):
+    value = np.asarray(value)
+    return value.item() if value.ndim == 0 else value
