@@ -158,9 +158,6 @@ def fit_auto_under_cap(hold):
     data, _ = _sequences()
     examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
     model = _counting_gru()
-    # Nothing let go: putting the epoch's start back reads it into the
-    # memory `fit` kept back (`_model_state.Reserve`); without that, it
-    # raised ResourceExhaustedError out of `fit` here.
     held = _models.HeldUntilNextStep(1, 1)
     callbacks = [held] if hold else []
     with testing.AllocatorFailures() as failures:
@@ -172,6 +169,36 @@ def fit_auto_under_cap(hold):
             callbacks=callbacks,
             verbose=0,
         )
+    return _fit_result(model, history, failures)
+
+
+def fit_with_a_long_bucket_too_large_under_cap():
+    """One epoch of `tfmemsafe.fit(batch_size="auto")` on a plan whose
+    longest bucket that holds many examples gets a batch 2 to 4 times as
+    large: as a length the plan did not foresee, its batch runs out and
+    the rest fit."""
+    data, _ = _sequences()
+    examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
+    model = _counting_gru()
+    plan = tfmemsafe.data.memory_buckets(examples, model)
+    sizes = list(plan.bucket_batch_sizes)
+    # The longest bucket of at least two full batches (the log-normal
+    # lengths give several): its first batch is 2 to 4 times as large.
+    long = max(i for i, n in enumerate(plan.counts) if n >= 2 * sizes[i])
+    sizes[long] = min(4 * sizes[long], plan.counts[long])
+    plan = dataclasses.replace(plan, bucket_batch_sizes=tuple(sizes))
+    with (
+        mock.patch.object(tfmemsafe.data, "memory_buckets", return_value=plan),
+        testing.AllocatorFailures() as failures,
+    ):
+        history = tfmemsafe.fit(model, examples, batch_size="auto", verbose=0)
+    result = _fit_result(model, history, failures)
+    result.update(sizes=sizes, long_length=plan.lengths[long])
+    return result
+
+
+def _fit_result(model, history, failures):
+    """What the run gave: each example's training count among them."""
     seen = model.get_layer("seen").seen.numpy()
     return {
         "seen": sorted(set(seen.tolist())),
@@ -192,6 +219,7 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
             "transformer": (buckets_under_cap, ["transformer"]),
             "fit": (fit_auto_under_cap, [False]),
             "fit_held": (fit_auto_under_cap, [True]),
+            "fit_long": (fit_with_a_long_bucket_too_large_under_cap, []),
         }
         cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios))
         cls._results = {
@@ -262,6 +290,21 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         # Each example counted once an epoch, the split one too.
         self.assertEqual(result["seen"], [2.0], msg=result)
         self.assertEqual(result["epochs"], 2)
+        self.assertTrue(np.isfinite(result["loss"]).all())
+
+    def test_fit_auto_splits_a_long_batch_and_keeps_every_size(self):
+        result = self._results["fit_long"].result()
+        events = result["events"]
+        self.assertNotEmpty(events, msg=result)
+        # Only the long bucket's batches ran out; each was split (finer
+        # where 2 did not fit) and no bucket's size changed.
+        for event in events:
+            self.assertGreaterEqual(event["split_into"], 2, msg=result)
+            self.assertEqual(
+                event["batch_size_after"], event["batch_size_before"]
+            )
+        self.assertEqual(result["batch_size"], result["sizes"][0])
+        self.assertEqual(result["seen"], [1.0], msg=result)
         self.assertTrue(np.isfinite(result["loss"]).all())
 
 

@@ -107,7 +107,7 @@ class _RunsOut(keras.callbacks.Callback):
             )
 
 
-def _fit(model, callbacks=(), shuffled=False, epochs=1):
+def _fit(model, callbacks=(), shuffled=False, epochs=1, **kwargs):
     with mock.patch.object(
         tfmemsafe.data, "memory_buckets", return_value=_buckets(model)
     ):
@@ -118,12 +118,15 @@ def _fit(model, callbacks=(), shuffled=False, epochs=1):
             epochs=epochs,
             callbacks=list(callbacks),
             verbose=0,
+            **kwargs,
         )
 
 
 class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(
         ("plain", None, 3),
+        # The epoch's last batch: no `model.fit` call is left to end it.
+        ("plain_last_batch", None, 6),
         # The failed batch is a window's second micro-batch; its first.
         ("accumulating_mid_window", 2, 3),
         ("accumulating_window_start", 2, 2),
@@ -182,6 +185,12 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIsNone(event.split_into)
         self.assertEqual(event.batch_size_after, event.batch_size_before // 2)
         self.assertIsNone(event.resumed_at_step)
+
+    def test_a_split_spends_a_retry(self):
+        with self.assertRaisesRegex(
+            tfmemsafe.OutOfMemoryError, "`max_retries` is used up"
+        ):
+            _fit(_model(), [_RunsOut(step=2, times=1)], max_retries=0)
 
     def test_the_event_says_what_was_split(self):
         event = tfmemsafe.OOMEvent(

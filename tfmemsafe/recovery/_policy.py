@@ -168,6 +168,14 @@ class SizePolicy:
             list(sizes.tried),
         ) from err
 
+    def spend_retry(self) -> bool:
+        """Spends one retry on a recovery that keeps the sizes (a split
+        batch); `False` when `max_retries` is used up."""
+        if self.max_retries is not None and self.retries >= self.max_retries:
+            return False
+        self.retries += 1
+        return True
+
     def jump(self, decision: SizeDecision, planner, source) -> SizeDecision:
         """`decision` (a halving) taken on to the largest halving `planner`
         (a `SizePlanner`) predicts to fit, within the same retry."""

@@ -110,7 +110,9 @@ class FitRun:
         self.position = Position(settings.initial_epoch, guard)
         self.epoch_start = EpochStart()
         self.grow_back = GrowBack.for_run(model, settings, policy, planner)
-        self.split = SplitBatch.for_run(model, settings, train_source, guard)
+        self.split = SplitBatch.for_run(
+            model, settings, train_source, guard, other_arguments
+        )
         others = [c for c in callbacks if c is not history]
         # `GrowBack` last: every other callback has seen the step end
         # when it stops the call.
@@ -154,6 +156,10 @@ class FitRun:
     def _attempt(self) -> None:
         """Trains from where the last attempt stopped to the last epoch."""
         point = self.next
+        if point.split:
+            point = self.next = self._train_split(point)
+            if self.model.stop_training and point.validation_skip is None:
+                return
         epoch = point.epoch
         if point.validation_skip is not None:
             self._finish_validation(epoch, point.validation_skip)
@@ -168,8 +174,6 @@ class FitRun:
                 growth = self.grow_back.growth(epoch)
                 if growth is not None:
                     self._grow(growth, epoch, step=0)
-            if self.next.split:
-                self.next = self._train_split(epoch, self.next)
             try:
                 self._fit_epoch(epoch, self.next)
             except GrowNow as now:
@@ -268,24 +272,35 @@ class FitRun:
         epoch_logs.update({f"val_{name}": v for name, v in logs.items()})
         self.callbacks.on_epoch_end(epoch, epoch_logs)
 
-    def _train_split(self, epoch: int, point: ResumePoint) -> ResumePoint:
+    def _train_split(self, point: ResumePoint) -> ResumePoint:
         """Trains the failed step's batch split (`point.split`); where to
-        go on (the next step, at the batch size of the others).
+        go on: the next step, at the batch size of the others, or, after
+        the epoch's last batch (or a callback's `stop_training`), the
+        epoch's validation or end.
 
         Between `model.fit` calls, as `_grow` is: the callbacks see the
         step begin and end, as in a call.
         """
-        step = point.resumed_at_step
+        epoch, step = point.epoch, point.resumed_at_step
         self.callbacks.on_train_batch_begin(step)
-        batch = self.split.batch_at(self.policy.batch_size(TRAINING), step)
+        batch, last = self.split.batch_at(
+            self.policy.batch_size(TRAINING), step
+        )
         logs = self.split.train(batch, point.split)
         self.callbacks.on_train_batch_end(step, logs)
         self.callbacks.end_call()
         self.position.carry_metrics()
         _carry_partial_window(self.model, None)
-        return ResumePoint(
-            epoch, skip=step + 1, resumed_at_step=step + 1, begun=True
-        )
+        if not (last or self.model.stop_training):
+            return ResumePoint(
+                epoch, skip=step + 1, resumed_at_step=step + 1, begun=True
+            )
+        # No `model.fit` call is left to end the epoch: end it here.
+        if self.validation_source is not None:
+            return ResumePoint(epoch, validation_skip=0, resumed_at_step=0)
+        self.callbacks.on_epoch_end(epoch, dict(self.position.last_logs))
+        self._trained(TRAINING)
+        return ResumePoint(epoch + 1)
 
     def _grow(self, growth: Growth, epoch: int, step: int) -> ResumePoint:
         """Grows the training batch back; where to go on (the next step).
@@ -329,7 +344,7 @@ class FitRun:
         pieces = 0
         if self.split is not None:
             pieces = self.split.pieces(self.position, self.next, update_began)
-        if pieces:
+        if pieces and self.policy.spend_retry():
             steps = accumulation_steps_of(self.model)
             decision = SizeDecision(phase, size, size, steps, steps)
             return dataclasses.replace(

@@ -26,7 +26,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmemsafe import distribute
 from tfmemsafe._sources import BucketedExamples
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._policy import TRAINING
@@ -34,6 +33,9 @@ from tfmemsafe.recovery._policy import accumulation_steps_of
 from tfmemsafe.recovery._step_guard import StepGuard
 
 _OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
+# The class of `tf.distribute.get_strategy()` outside any strategy's scope;
+# TensorFlow exports no name for it.
+_NO_STRATEGY = "_DefaultDistributionStrategy"
 # The most micro-batches a batch is split into before its rows are known.
 _MOST_PIECES = 1024
 
@@ -61,23 +63,32 @@ class SplitBatch:
         self.rows_last_tried = 0  # The rows of the last batch read again.
 
     @classmethod
-    def for_run(cls, model, settings, source, guard) -> SplitBatch | None:
+    def for_run(
+        cls, model, settings, source, guard, other_arguments
+    ) -> SplitBatch | None:
         """A `SplitBatch` where a failed batch can be split, else `None`.
 
-        Only bucketed data has batches of other shapes that still fit;
-        the model must train with Keras' (or `AccumulatingModel`'s) own
-        step, whose only update is one `apply` (or `accumulate`), on one
-        replica; and the epoch must be able to go on at the next batch,
-        which `steps_per_epoch` (a count of batches at the old place)
-        and a multi-worker run (each worker's batch is its own) rule out.
+        Only bucketed data has batches of other shapes that still fit.
+        The model must train with Keras' (or `AccumulatingModel`'s) own
+        step, whose only update is one `apply` (or `accumulate`), traced
+        (not run eagerly), outside any `tf.distribute` strategy (a
+        strategy's step runs in `strategy.run`, with its own variables);
+        its loss must average over the batch's rows, so that each
+        micro-batch weighs its rows (not a `reduction` of another kind,
+        a `class_weight`, or outputs with a mask, whose loss averages
+        over the unmasked steps). The epoch must be able to go on at the
+        next batch, which `steps_per_epoch` (a count of batches at the
+        old place) rules out.
         """
-        strategy = model.distribute_strategy
         if (
             not isinstance(source, BucketedExamples)
             or type(model).train_step not in _OWN_TRAIN_STEPS
-            or strategy.num_replicas_in_sync != 1
-            or distribute.is_multi_worker(strategy)
+            or type(model.distribute_strategy).__name__ != _NO_STRATEGY
+            or model.run_eagerly
+            or tf.config.functions_run_eagerly()
             or settings.steps_per_epoch is not None
+            or other_arguments.get("class_weight") is not None
+            or not _loss_averages_over_rows(model, source)
         ):
             return None
         return cls(model, guard, source)
@@ -111,15 +122,19 @@ class SplitBatch:
         return 0 if last.split >= most else 2 * last.split
 
     def batch_at(self, batch_size: int, step: int):
-        """The epoch's batch `step` again, read from a new pipeline."""
-        dataset = self.source.dataset(batch_size).skip(step).take(1)
-        for batch in dataset:
-            self.rows_last_tried = _rows(batch)
-            return batch
-        raise ValueError(
-            f"The training data gave no batch {step} when it was read again "
-            "to split it: its batches are not the same at each pass."
-        )
+        """The epoch's batch `step` again, read from a new pipeline, and
+        whether it is the epoch's last."""
+        self.rows_last_tried = 0
+        batches = iter(self.source.dataset(batch_size).skip(step).take(2))
+        batch = next(batches, None)
+        if batch is None:
+            raise ValueError(
+                f"The training data gave no batch {step} when it was read "
+                "again to split it: its batches are not the same at each "
+                "pass."
+            )
+        self.rows_last_tried = _rows(batch)
+        return batch, next(batches, None) is None
 
     def train(self, batch, pieces: int) -> dict:
         """Trains `batch` as `pieces` micro-batches and one update.
@@ -142,7 +157,11 @@ class SplitBatch:
             self._total = tf.Variable(0.0, trainable=False)
         self._updates, self._dense = {}, set()
         sparse = {}  # id(variable) -> its micro-batches' (values, indices).
-        step = tf.function(self._micro_batch, reduce_retracing=True)
+        step = tf.function(
+            self._micro_batch,
+            reduce_retracing=True,
+            jit_compile=self.model.jit_compile is True,
+        )
         try:
             update = "accumulate" if self._accumulates() else "apply"
             with self.guard.deferring(update, self._defer):
@@ -239,6 +258,27 @@ class SplitBatch:
             tf.shape(variable, out_type=indices[0].dtype),
         )
         return slices if dense is None else dense + tf.convert_to_tensor(slices)
+
+
+def _loss_averages_over_rows(model, source) -> bool:
+    """Whether the compiled loss divides by the batch's rows: Keras'
+    default reduction, and outputs without a mask (read from one
+    example's forward pass)."""
+    # Keras has no public list of the compiled losses (the same reach as
+    # `AccumulatingModel._sample_count`); where it cannot be read, the
+    # default reduction is assumed.
+    losses = getattr(getattr(model, "_compile_loss", None), "_flat_losses", [])
+    for entry in losses or []:
+        reduction = getattr(getattr(entry, "loss", None), "reduction", None)
+        if reduction not in (None, "sum_over_batch_size"):
+            return False
+    outputs = model(source.sample_inputs(), training=False)
+    # Keras keeps a tensor's mask in this attribute (`get_keras_mask` is
+    # not public in 3.5).
+    return all(
+        getattr(output, "_keras_mask", None) is None
+        for output in tf.nest.flatten(outputs)
+    )
 
 
 def _rows(batch) -> int:
