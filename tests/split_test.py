@@ -20,14 +20,17 @@ import tfmemsafe
 _EXAMPLES = 96
 
 
-def _examples(shuffled=False):
-    """Unbatched `(token ids, label)`, 2 to 40 tokens long."""
+def _examples(shuffled=False, per_token=False):
+    """Unbatched `(token ids, label)`, 2 to 40 tokens long; the label is
+    one per token with `per_token`."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 41, _EXAMPLES)
     tokens = tf.ragged.constant(
         [rng.integers(1, 100, n) for n in lengths], dtype=tf.int32
     )
     labels = (lengths % 3).astype("int32")
+    if per_token:
+        labels = tokens % 3
     data = tf.data.Dataset.from_tensor_slices((tokens, labels))
     if shuffled:
         data = data.shuffle(_EXAMPLES)
@@ -107,13 +110,15 @@ class _RunsOut(keras.callbacks.Callback):
             )
 
 
-def _fit(model, callbacks=(), shuffled=False, epochs=1, **kwargs):
+def _fit(
+    model, callbacks=(), shuffled=False, epochs=1, per_token=False, **kwargs
+):
     with mock.patch.object(
         tfmemsafe.data, "memory_buckets", return_value=_buckets(model)
     ):
         return tfmemsafe.fit(
             model,
-            _examples(shuffled),
+            _examples(shuffled, per_token),
             batch_size="auto",
             epochs=epochs,
             callbacks=list(callbacks),
@@ -185,6 +190,24 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIsNone(event.split_into)
         self.assertEqual(event.batch_size_after, event.batch_size_before // 2)
         self.assertIsNone(event.resumed_at_step)
+
+    def test_a_loss_over_unmasked_tokens_shrinks_every_bucket_instead(self):
+        # Its loss averages over a micro-batch's tokens, not its rows.
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((None,), dtype="int32"),
+                keras.layers.Embedding(100, 8, mask_zero=True),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        history = _fit(model, [_RunsOut(step=2, times=1)], per_token=True)
+        (event,) = history.oom_events
+        self.assertIsNone(event.split_into)
+        self.assertEqual(event.batch_size_after, event.batch_size_before // 2)
 
     def test_a_split_spends_a_retry(self):
         with self.assertRaisesRegex(
