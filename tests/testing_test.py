@@ -64,6 +64,13 @@ def _environment(name):
     return os.environ.get(name)
 
 
+def _crash():
+    """Reads address 0: the process ends with SIGSEGV."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
 def _not_json():
     return object()
 
@@ -184,6 +191,14 @@ class RunInSubprocessTest(parameterized.TestCase, tf.test.TestCase):
         ) as caught:
             testing.run_in_subprocess("time:sleep", args=[60], timeout=1)
         self.assertIn("still running after 1 s", caught.exception.stderr)
+
+    def test_a_crash_shows_where_the_child_was(self):
+        with self.assertRaisesRegex(
+            testing.SubprocessError, r"killed by signal 11"
+        ) as caught:
+            testing.run_in_subprocess(_crash)
+        self.assertIn("Segmentation fault", caught.exception.stderr)
+        self.assertIn("in _crash", caught.exception.stderr)
 
     def test_unserializable_result_is_reported(self):
         with self.assertRaisesRegex(

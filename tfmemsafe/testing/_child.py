@@ -18,11 +18,15 @@ import sys
 from tfmemsafe import _messages
 
 _STDERR_TAIL_LINES = 30
+# A child ended by a signal leaves the Python stack of every thread
+# (`faulthandler`), where the crash is found.
+_STDERR_TAIL_LINES_AFTER_A_SIGNAL = 120
 
 # The child's entry point. It imports nothing from TensorFlow or tfmemsafe
 # itself, so the target decides what is imported and when.
 _BOOTSTRAP = r"""
-import importlib, json, sys, traceback
+import faulthandler, importlib, json, sys, traceback
+faulthandler.enable(all_threads=True)
 payload = json.loads(sys.argv[1])
 module_name, _, qualname = payload["target"].partition(":")
 try:
@@ -191,7 +195,10 @@ def _kill_group(process) -> None:
 
 
 def _failure(target, returncode, stdout, stderr, error) -> SubprocessError:
-    tail = "\n".join(stderr.rstrip().splitlines()[-_STDERR_TAIL_LINES:])
+    lines = _STDERR_TAIL_LINES
+    if returncode is not None and returncode < 0:
+        lines = _STDERR_TAIL_LINES_AFTER_A_SIGNAL
+    tail = "\n".join(stderr.rstrip().splitlines()[-lines:])
     if error:
         what = (
             f"raised {error['name']}: {_messages.error_line(error['message'])}"
