@@ -451,10 +451,6 @@ def _fit_with_memory_held(
     counter = _StepCounter()
     at_epoch_end = _StateAtEpochEnd(state)
     result = {"error": None, "events": []}
-    # What is tested is the recovery from the OOM the hold causes: the
-    # pre-flight check, whose prediction at 256 lies within a few MiB of
-    # the cap's 90%, would otherwise now and then cut the batch first.
-    kwargs.setdefault("preflight", False)
     try:
         history = tfmemsafe.fit(
             model,
@@ -479,6 +475,11 @@ def _fit_with_memory_held(
         ),
     )
     return result
+
+
+def _suffered(run) -> list:
+    """A held-memory run's OOM events, not the pre-flight check's."""
+    return [e for e in run["events"] if e["phase"] != "preflight"]
 
 
 def datasets_with_memory_held_under_cap():
@@ -1358,8 +1359,12 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         """One recovery, every epoch, no update lost or made twice."""
         self.assertIsNone(run["error"], msg=run)
         self.assertEqual(run["epochs"], [0, 1])
-        self.assertNotEmpty(run["events"])
-        self.assertRegex(run["events"][0]["error"], "OOM|allocate")
+        # The pre-flight check may cut the batch first (its prediction at
+        # 256 lies within a few MiB of the cap's 90%); the hold's OOM
+        # comes whatever the size.
+        events = _suffered(run)
+        self.assertNotEmpty(events, msg=run)
+        self.assertRegex(events[0]["error"], "OOM|allocate")
         self.assertTrue(run["finite"])
         for iterations in run["iterations"]:
             self.assertEqual(iterations, sum(run["steps"]), msg=run)
@@ -1369,7 +1374,7 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         for name, run in result.items():
             with self.subTest(name):
                 self.assertRecoveredConsistently(run)
-                self.assertEqual(run["events"][0]["epoch"], 1)
+                self.assertEqual(_suffered(run)[0]["epoch"], 1)
 
     def test_two_optimizers_recover_with_memory_held(self):
         result = self.result(two_optimizers_with_memory_held_under_cap)
