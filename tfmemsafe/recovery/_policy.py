@@ -146,7 +146,7 @@ class SizePolicy:
         """
         sizes = self._phases[phase]
         size = sizes.batch_size
-        if self.max_retries is not None and self.retries >= self.max_retries:
+        if self._retries_used_up():
             reason = "`max_retries` is used up"
         elif size // 2 < self.floor:
             reason = (
@@ -171,10 +171,13 @@ class SizePolicy:
     def spend_retry(self) -> bool:
         """Spends one retry on a recovery that keeps the sizes (a split
         batch); `False` when `max_retries` is used up."""
-        if self.max_retries is not None and self.retries >= self.max_retries:
+        if self._retries_used_up():
             return False
         self.retries += 1
         return True
+
+    def _retries_used_up(self) -> bool:
+        return self.max_retries is not None and self.retries >= self.max_retries
 
     def jump(self, decision: SizeDecision, planner, source) -> SizeDecision:
         """`decision` (a halving) taken on to the largest halving `planner`
