@@ -21,6 +21,14 @@ moving statistics run in the forward pass, before any gradient.
   of a step. After an error, `touched()` says whether any update began; a
   step that failed inside `apply` itself is the one case where the epoch
   snapshot has to be put back.
+- An order: while the barrier's update is traced, each variable's update
+  (an optimizer's `update_step`) waits for the one before it, and inside
+  it each `assign`, `assign_add` or `assign_sub` waits for the previous
+  one. Released together by the barrier, the updates would otherwise run
+  at once, each with temporaries the size of its variable: Adam's step
+  then peaked at one more copy of the largest variable than under
+  `model.fit` (measured in docs/oom-recovery.md). In order, it peaks
+  lower than `model.fit`, and at the same figure every step.
 - A device-side copy of the small state a forward pass changes (metric
   variables, the non-trainable variables of trainable layers such as
   moving statistics, random seed states), taken before each step by
@@ -49,10 +57,15 @@ class StepGuard:
         self.model = model
         self._patched = []
         self._deferred = self._sink = None
+        # While an update is traced in order: what the next op waits for,
+        # and the open `control_dependencies` of the current `update_step`.
+        self._after = self._within = None
         with tf.init_scope():
             self._touched = tf.Variable(False, trainable=False)
         for optimizer in optimizers:
             self._patch(optimizer, "apply")
+        for optimizer in _with_inner(optimizers):
+            self._order(optimizer)
         for accumulator in accumulators:
             self._patch(accumulator, "accumulate")
         self._small = _small_state(model)
@@ -88,12 +101,80 @@ class StepGuard:
             ]
             with tf.control_dependencies(flat):
                 mark = guard._touched.assign(True)
-            with tf.control_dependencies([mark]):
+            with tf.control_dependencies([mark]), guard._in_order():
                 return original(gradients, *args, **kwargs)
 
         # An instance attribute, so only this object and only this run.
         vars(owner)[name] = guarded
         self._patched.append((owner, name))
+
+    @contextlib.contextmanager
+    def _in_order(self):
+        """Orders the updates traced meanwhile (see `_order`).
+
+        Not under a `tf.distribute` strategy: there a variable's update
+        is made on every replica's device, and one chain through them all
+        would make each device wait for the others.
+        """
+        if tf.distribute.has_strategy():
+            yield
+            return
+        self._after = []
+        try:
+            yield
+        finally:
+            self._after = self._within = None
+
+    def _order(self, optimizer):
+        """Makes `optimizer`'s variable updates run one after another.
+
+        `update_step` and `assign`, `assign_add`, `assign_sub` are the
+        public methods through which a Keras optimizer updates a
+        variable. While `_in_order` is open, every op an `update_step`
+        creates waits for the last assignment before it, and after each
+        assignment a marker op on the assigned variable (ordered after the
+        assignment by `tf.function`'s automatic control dependencies, and
+        reading nothing) becomes what the following ops wait for. An
+        `update_step` that assigns in another way is still started after
+        the one before it.
+        """
+        guard = self
+        step = optimizer.update_step
+
+        @functools.wraps(step)
+        def update_step(gradient, variable, learning_rate):
+            if guard._after is None:
+                return step(gradient, variable, learning_rate)
+            with contextlib.ExitStack() as within:
+                within.enter_context(tf.control_dependencies(guard._after))
+                guard._within = within
+                try:
+                    return step(gradient, variable, learning_rate)
+                finally:
+                    guard._within = None
+
+        vars(optimizer)["update_step"] = update_step
+        self._patched.append((optimizer, "update_step"))
+        for name in ("assign", "assign_add", "assign_sub"):
+            self._order_assignment(optimizer, name)
+
+    def _order_assignment(self, optimizer, name):
+        guard = self
+        assign = getattr(optimizer, name)
+
+        @functools.wraps(assign)
+        def ordered(variable, value):
+            result = assign(variable, value)
+            # A Keras variable and a `tf.Variable` both have `handle`.
+            handle = getattr(variable, "handle", None)
+            if guard._within is not None and handle is not None:
+                marker = tf.raw_ops.VarIsInitializedOp(resource=handle)
+                guard._after = [marker]
+                guard._within.enter_context(tf.control_dependencies([marker]))
+            return result
+
+        vars(optimizer)[name] = ordered
+        self._patched.append((optimizer, name))
 
     @contextlib.contextmanager
     def deferring(self, name: str, sink):
@@ -152,6 +233,17 @@ class StepGuard:
             self.model.metrics_variables, values, strict=True
         ):
             variable.assign(value)
+
+
+def _with_inner(optimizers) -> list:
+    """The optimizers and those they wrap (`LossScaleOptimizer`'s)."""
+    found = []
+    for optimizer in optimizers:
+        found.append(optimizer)
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if isinstance(inner, keras.optimizers.Optimizer):
+            found.append(inner)
+    return list({id(o): o for o in found}.values())
 
 
 def _small_state(model) -> list:
