@@ -23,7 +23,7 @@ class _Planner:
     def __init__(self, halvings):
         self.halvings_asked = halvings
 
-    def halvings(self, phase, source, batch_size, floor, *, largest_probe):
+    def halvings(self, phase, source, batch_size, floor, **kwargs):
         return self.halvings_asked, "peak 9.0 MiB predicted"
 
 

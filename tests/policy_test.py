@@ -32,8 +32,17 @@ class _Planner:
         self.answer = (halvings, why)
         self.asked = []
 
-    def halvings(self, phase, source, batch_size, floor, *, largest_probe):
-        self.asked.append((phase, batch_size, largest_probe))
+    def halvings(
+        self,
+        phase,
+        source,
+        batch_size,
+        floor,
+        *,
+        largest_probe,
+        just_failed=False,
+    ):
+        self.asked.append((phase, batch_size, largest_probe, just_failed))
         return self.answer
 
 
@@ -78,7 +87,10 @@ class SizePolicyTest(tf.test.TestCase):
             model, {"training": 4096}, min_batch_size=1, max_retries=None
         )
         first = policy.halve("training", _oom(1))
-        decision = policy.jump(first, _Planner(2), source=None)
+        planner = _Planner(2)
+        decision = policy.jump(first, planner, source=None)
+        # Asked just after the error: the planner probes only with room.
+        self.assertEqual(planner.asked, [("training", 2048, 2048, True)])
         self.assertEqual(
             (decision.batch_size_before, decision.batch_size_after),
             (4096, 512),
@@ -116,7 +128,7 @@ class SizePolicyTest(tf.test.TestCase):
         )
         planner = _Planner(3)
         decision = policy.preflight(planner, source=None)
-        self.assertEqual(planner.asked, [("training", 1024, 512)])
+        self.assertEqual(planner.asked, [("training", 1024, 512, False)])
         self.assertEqual(policy.tried("training"), (128,))
         self.assertEqual(policy.requested("training"), 1024)
         self.assertEqual(policy.scaled_steps("training", 2), 16)
@@ -366,8 +378,9 @@ def _pinned_estimate():
     )
 
 
-def _jump_with_a_pinned_estimate(replicas=1):
-    """An OOM at 256, with the estimate pinned: one jump to 64."""
+def _jump_with_a_pinned_estimate(replicas=1, free_bytes=None):
+    """An OOM at 256, with the estimate pinned: one jump to 64 (with
+    `free_bytes` free after the error, if given)."""
     if replicas > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
@@ -389,11 +402,16 @@ def _jump_with_a_pinned_estimate(replicas=1):
             _planner.estimate_lib,
             "estimate_source",
             return_value=_pinned_estimate(),
-        ),
+        ) as estimate_source,
         mock.patch.object(
             _planner.estimate_lib, "bound_terms", return_value=None
-        ),
+        ) as bound_terms,
         mock.patch.object(_planner.estimate_lib, "held_bytes", return_value=0),
+        mock.patch.object(
+            _planner.memory,
+            "free_bytes",
+            side_effect=lambda device: free_bytes,
+        ),
     ):
         history = tfmemsafe.fit(
             model,
@@ -411,6 +429,8 @@ def _jump_with_a_pinned_estimate(replicas=1):
         ],
         "batch_size": history.batch_size,
         "iterations": int(model.optimizer.iterations.numpy()),
+        "estimated": estimate_source.called,
+        "bound_traced": bound_terms.called,
     }
 
 
@@ -420,6 +440,16 @@ class JumpTest(tf.test.TestCase):
         self.assertEqual(result["events"], [(256, 64, 4)])
         self.assertEqual(result["batch_size"], 64)
         # 512 samples of updates of 256: 2, whatever the micro-batches.
+        self.assertEqual(result["iterations"], 2)
+
+    def test_no_probe_or_data_read_while_the_memory_is_still_full(self):
+        # Reading data or probing with the allocator full can end the
+        # process inside TensorFlow: with less than the room to read data
+        # free after the error, it halves once instead.
+        result = _jump_with_a_pinned_estimate(free_bytes=2**20)
+        self.assertFalse(result["estimated"])
+        self.assertFalse(result["bound_traced"])
+        self.assertEqual(result["events"], [(256, 128, 2)])
         self.assertEqual(result["iterations"], 2)
 
     def test_the_jump_is_the_same_under_a_mirrored_strategy(self):

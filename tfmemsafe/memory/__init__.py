@@ -15,6 +15,7 @@ from tfmemsafe.memory._info import PeakWindow
 from tfmemsafe.memory._info import default_devices
 from tfmemsafe.memory._info import device_name
 from tfmemsafe.memory._info import fits_within
+from tfmemsafe.memory._info import free_bytes
 from tfmemsafe.memory._info import machine_memory_bytes
 from tfmemsafe.memory._info import memory_info
 from tfmemsafe.memory._info import reset_peak_memory
@@ -29,6 +30,7 @@ __all__ = [
     "default_devices",
     "device_name",
     "fits_within",
+    "free_bytes",
     "is_oom_error",
     "machine_memory_bytes",
     "memory_info",

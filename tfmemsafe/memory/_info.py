@@ -166,6 +166,15 @@ def reset_peak_memory(device=None) -> bool:
     return _reset_allocator_peak(name)
 
 
+def free_bytes(device) -> int | None:
+    """What `device`'s limit leaves free now; `None` where the limit or
+    the use is unknown."""
+    info = memory_info(device)
+    if info.current_bytes is None or info.limit_bytes is None:
+        return None
+    return info.limit_bytes - info.current_bytes
+
+
 def _reset_allocator_peak(name: str) -> bool:
     try:
         tf.config.experimental.reset_memory_stats(name)

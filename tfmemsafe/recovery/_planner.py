@@ -65,6 +65,12 @@ _UNTRACED = object()
 # (`estimate._probe.measure_default_sizes`).
 _UNCHECKED_PROBE = 32
 
+# What every device needs free before a sample of the data is read to
+# trace the bound just after an error. Reading data with the allocator
+# full can end the process inside TensorFlow (a host-to-device copy that
+# does not check its allocation), where a step would raise.
+_ROOM_TO_READ_DATA = 16 * 2**20
+
 # Per model: `(step, optimizer id, sample signature)` to its `_Facts`.
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -152,13 +158,19 @@ class SizePlanner:
         floor: int,
         *,
         largest_probe: int,
+        just_failed: bool = False,
     ) -> tuple[int, str]:
         """How often to halve `batch_size` for `phase`'s step to fit.
 
         A size at or above one that ran out is halved; a size at or below
-        one that trained is not; in between the estimate decides (made
-        now if not yet), with probes no larger than `largest_probe`. It
-        stops at `floor`.
+        one that trained is not; in between the static bound, then the
+        estimate decide (made now if not yet), with probes no larger than
+        `largest_probe`. It stops at `floor`. With `just_failed` (memory
+        may still be full), the bound is traced only with
+        `_ROOM_TO_READ_DATA` free on every device, and the estimate made
+        only where the bound says its first probes fit now
+        (`estimate_with_room`); else what was measured and what is made
+        already decide.
 
         Returns:
             The number of halvings (0 when nothing says to halve), and
@@ -169,9 +181,19 @@ class SizePlanner:
         while _over(size, facts.ran_out) and size // 2 >= floor:
             size, count = size // 2, count + 1
             why = f"batch size {facts.ran_out} ran out of memory before"
-        if size <= facts.trained or self._under_bound(facts, source, size):
+        may_trace = not just_failed or self._room_to_read_data()
+        if size <= facts.trained or self._under_bound(
+            facts, source, size, may_trace=may_trace
+        ):
             return count, why
-        made = self.estimate(phase, source, largest_probe)
+        if just_failed and not (may_trace and facts.bound is None):
+            made = self.estimate_with_room(
+                phase, source, largest_probe, may_trace=may_trace
+            )
+        else:
+            # Before any error; or no bound can be known, and there is room
+            # to read data: the probes' own room check decides.
+            made = self.estimate(phase, source, largest_probe)
         if made is None:
             return count, why
         start = size
@@ -230,9 +252,8 @@ class SizePlanner:
         facts = self._facts_of(phase, source)
         if facts.estimate is not None:
             return facts.estimate
-        if facts.bound is _UNTRACED and not may_trace:
-            return None
-        if not self._under_bound(facts, source, min(_UNCHECKED_PROBE, largest)):
+        probe = min(_UNCHECKED_PROBE, largest)
+        if not self._under_bound(facts, source, probe, may_trace=may_trace):
             return None
         return self.estimate(phase, source, largest)
 
@@ -252,13 +273,27 @@ class SizePlanner:
             return None, f"the memory limit of {made.device} is unknown"
         return made, ""
 
-    def _under_bound(self, facts, source, batch_size: int) -> bool:
-        """Whether the step's static bound at `batch_size` fits, now."""
+    def _under_bound(
+        self, facts, source, batch_size: int, *, may_trace: bool = True
+    ) -> bool:
+        """Whether the step's static bound at `batch_size` fits, now;
+        without `may_trace`, `False` while the bound is not traced yet."""
         if not self.memory_estimate:
             return False
         if facts.bound is _UNTRACED:
+            if not may_trace:
+                return False
             facts.bound = _StaticBound.of(self.model, source)
         return facts.bound is not None and facts.bound.fits(batch_size)
+
+    def _room_to_read_data(self) -> bool:
+        """Whether every device of the model has `_ROOM_TO_READ_DATA`
+        free now (or no limit that the allocator reports)."""
+        for device in estimate_lib.devices_of(self.model):
+            free = memory.free_bytes(device)
+            if free is not None and free < _ROOM_TO_READ_DATA:
+                return False
+        return True
 
     def _describe(self, made, batch_size: int) -> str:
         """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""

@@ -185,7 +185,12 @@ class SizePolicy:
         phase = decision.phase
         size = self.batch_size(phase)
         halvings, predicted = planner.halvings(
-            phase, source, size, self.floor, largest_probe=size
+            phase,
+            source,
+            size,
+            self.floor,
+            largest_probe=size,
+            just_failed=True,
         )
         self._shrink(phase, halvings, new_size=False)
         return self._decision(
