@@ -43,6 +43,21 @@ def _images(rows, size=32):
     return x, y
 
 
+def _aligned_rows(x, y):
+    """`from_tensor_slices` rows that TensorFlow can hand out uncopied.
+
+    Its iterator copies a row that does not start on a 64-byte boundary
+    (a 4-byte label, say), with an allocation it does not check: when the
+    CPU allocator is full, as when a step runs out beside it, that copy
+    ends the process, under plain `model.fit` too (docs/oom-recovery.md).
+    An image here is 12 KiB; each label is repeated to 16 int32 and the
+    first taken again by a `map`, whose allocations are checked.
+    """
+    labels = np.repeat(y[:, None], 16, axis=1)
+    rows = tf.data.Dataset.from_tensor_slices((x, labels))
+    return rows.map(lambda image, label: (image, label[0]))
+
+
 def _largest_difference(variables, others):
     return max(
         float(np.max(np.abs(a.numpy() - b.numpy())))
@@ -482,6 +497,31 @@ def _suffered(run) -> list:
     return [e for e in run["events"] if e["phase"] != "preflight"]
 
 
+def _repeated_with_memory_held(**kwargs):
+    """An endless dataset with `steps_per_epoch`, memory held."""
+    model = _conv_net()
+    return _fit_with_memory_held(
+        model,
+        _aligned_rows(*_images(1024)).repeat(),
+        [model.optimizer],
+        batch_size=256,
+        steps_per_epoch=4,
+        **kwargs,
+    )
+
+
+def _two_optimizers_with_memory_held(**kwargs):
+    """A model with two optimizers (as a GAN) on arrays, memory held."""
+    x, y = _models.table(4096)
+    # Its hidden activations at batch 1024 take 1 MiB, more than the
+    # largest piece of memory the hold leaves.
+    model = _two_optimizers(hidden=(256,))
+    optimizers = [model.first_optimizer, model.second_optimizer]
+    return _fit_with_memory_held(
+        model, (x, y), optimizers, batch_size=1024, **kwargs
+    )
+
+
 def datasets_with_memory_held_under_cap():
     """An endless dataset with `steps_per_epoch`, and a dataset function,
     with memory held through the recovery.
@@ -491,19 +531,14 @@ def datasets_with_memory_held_under_cap():
     when its iterator is made, and a prefetch after a batch that could
     not be allocated.
     """
-    x, y = _images(1024)
-    rows = tf.data.Dataset.from_tensor_slices((x, y))
-    repeated, function = _conv_net(), _conv_net()
+    function = _conv_net()
     return {
-        "repeated": _fit_with_memory_held(
-            repeated,
-            rows.repeat(),
-            [repeated.optimizer],
-            batch_size=256,
-            steps_per_epoch=4,
-        ),
+        "repeated": _repeated_with_memory_held(),
         "function": _fit_with_memory_held(
-            function, rows.batch, [function.optimizer], batch_size=256
+            function,
+            _aligned_rows(*_images(1024)).batch,
+            [function.optimizer],
+            batch_size=256,
         ),
     }
 
@@ -511,12 +546,19 @@ def datasets_with_memory_held_under_cap():
 def two_optimizers_with_memory_held_under_cap():
     """A model with two optimizers (as a GAN), with memory held through
     the recovery."""
-    x, y = _models.table(4096)
-    # Its hidden activations at batch 1024 take 1 MiB, more than the
-    # largest piece of memory the hold leaves.
-    model = _two_optimizers(hidden=(256,))
-    optimizers = [model.first_optimizer, model.second_optimizer]
-    return _fit_with_memory_held(model, (x, y), optimizers, batch_size=1024)
+    return _two_optimizers_with_memory_held()
+
+
+def without_preflight_with_memory_held_under_cap():
+    """The held-memory recoveries with no estimate made before the error.
+
+    The jump after it would make the estimate then, reading data and
+    probing with the allocator still full; it must wait for room.
+    """
+    return {
+        "repeated": _repeated_with_memory_held(preflight=False),
+        "two_optimizers": _two_optimizers_with_memory_held(preflight=False),
+    }
 
 
 def large_state_with_memory_held_for_good_under_cap():
@@ -553,10 +595,7 @@ def mirrored_strategy_with_memory_held_under_cap():
     with strategy.scope():
         model = _conv_net()
     result = _fit_with_memory_held(
-        model,
-        tf.data.Dataset.from_tensor_slices((x, y)),
-        [model.optimizer],
-        batch_size=256,
+        model, _aligned_rows(x, y), [model.optimizer], batch_size=256
     )
     variables = model.variables + model.optimizer.variables
     result["replicas_agree"] = all(
@@ -579,6 +618,7 @@ _SCENARIOS = {
     mirrored_strategy_under_cap: 250,
     datasets_with_memory_held_under_cap: _CAP_MB,
     two_optimizers_with_memory_held_under_cap: _CAP_MB,
+    without_preflight_with_memory_held_under_cap: _CAP_MB,
     large_state_with_memory_held_for_good_under_cap: _CAP_MB,
     mirrored_strategy_with_memory_held_under_cap: _CAP_MB,
 }
@@ -1379,6 +1419,12 @@ class RealOutOfMemoryTest(tf.test.TestCase):
     def test_two_optimizers_recover_with_memory_held(self):
         result = self.result(two_optimizers_with_memory_held_under_cap)
         self.assertRecoveredConsistently(result)
+
+    def test_recovers_with_memory_held_and_no_estimate_made_before(self):
+        result = self.result(without_preflight_with_memory_held_under_cap)
+        for name, run in result.items():
+            with self.subTest(name):
+                self.assertRecoveredConsistently(run)
 
     def test_memory_held_for_good_gives_up_and_puts_the_state_back(self):
         # Only 4 MB are left free: the epoch's 63 MiB of state, in files of

@@ -275,8 +275,15 @@ class Arrays(Source):
         # Full batches of a static size, then the partial one, as Keras
         # batches arrays: the step is traced at the same shapes.
         full = len(rows) // batch_size * batch_size
-        indices = tf.data.Dataset.from_tensor_slices(
-            rows[:full].reshape(-1, batch_size)
+        # `from_tensor_slices` copies a row that does not start on a
+        # 64-byte boundary, through an allocation it does not check (with
+        # the allocator full, the process ends): each row of indices is
+        # padded to a multiple of 8, and cut back by a `map`.
+        width = -(-batch_size // 8) * 8
+        table = np.zeros((full // batch_size, width), np.int64)
+        table[:, :batch_size] = rows[:full].reshape(-1, batch_size)
+        indices = tf.data.Dataset.from_tensor_slices(table).map(
+            lambda row: row[:batch_size]
         )
         if full < len(rows):
             remainder = tf.data.Dataset.from_tensors(rows[full:])
