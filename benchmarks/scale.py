@@ -9,16 +9,21 @@ the parameters, the model-and-optimizer state, the peak RSS of the whole
 process over what it held before training, and the CPU and wall time of
 training, with the ratios of `tfmemsafe.fit` to `model.fit`.
 
-Not measured here: one recovered error at the middle width. On this
-workload the step's memory is nearly all weights and optimizer state
-(`model.fit` peaks at 1,601 MiB at batch 2048 and 1,730 at 4096 for 71M
-parameters), so no cap lets the full batch run out while half of it
-surely fits. benchmarks/oom_recovery.py and benchmarks/resume.py measure
-recoveries on networks whose activations dominate.
+Then one recovered error at `--recover_width`, under a CPU allocator cap
+of `--cap_mb`: at epoch 1, step 1 a callback fills the allocator, as
+memory that something else takes would, and lets go when the next step
+begins. On this workload the step's memory is nearly all weights and
+optimizer state, so a batch that is merely too large would need a cap
+that half of it fits only by a few MiB; memory held by something else is
+how such a model runs out. `tfmemsafe.fit` recovers from it; the table
+sets it beside `model.fit` under the same cap with nothing held (under
+the hold, `model.fit` ends with the error). Both runs wait for the
+allocator: about 10 s for each failed allocation, the fill's last one and
+the step's, so compare CPU time.
 
 Example:
     python benchmarks/scale.py
-    python benchmarks/scale.py --widths=4096,8192
+    python benchmarks/scale.py --widths=4096,8192 --recover_width=0
 """
 
 import resource
@@ -35,6 +40,12 @@ _WIDTHS = flags.DEFINE_list(
 _ROWS = flags.DEFINE_integer("rows", 2048, "Training rows.")
 _EPOCHS = flags.DEFINE_integer("epochs", 2, "Epochs.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Batch size.")
+_RECOVER_WIDTH = flags.DEFINE_integer(
+    "recover_width", 8192, "Hidden width of the recovered error (0: none)."
+)
+_CAP_MB = flags.DEFINE_integer(
+    "cap_mb", 2000, "CPU allocator cap of the recovered error, MB."
+)
 _FEATURES = 512
 
 
@@ -67,7 +78,35 @@ def _cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def train(wrapper, width, rows, epochs, batch_size):
+def _held_until_next_step():
+    """A callback that fills the allocator at epoch 1, step 1 and lets go
+    when the next step begins."""
+    import keras
+    import tensorflow as tf
+
+    class HeldUntilNextStep(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch, self.pieces, self.taken = None, [], False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.pieces:
+                self.pieces = []
+            elif not self.taken and (self.epoch, batch) == (1, 1):
+                self.taken = True
+                try:
+                    while True:
+                        self.pieces.append(tf.zeros((2**20 // 4,)))
+                except tf.errors.ResourceExhaustedError:
+                    pass  # Full.
+
+    return HeldUntilNextStep()
+
+
+def train(wrapper, width, rows, epochs, batch_size, hold=False):
     """One training run in this process; returns its costs."""
     import numpy as np
 
@@ -79,14 +118,22 @@ def train(wrapper, width, rows, epochs, batch_size):
     state = sum(np.prod(v.shape) * 4 for v in variables)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cpu, wall = _cpu_seconds(), time.perf_counter()
-    arguments = dict(batch_size=batch_size, epochs=epochs, verbose=0)
+    callbacks = [_held_until_next_step()] if hold else []
+    arguments = dict(
+        batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks
+    )
+    errors = 0
     if wrapper:
-        tfmemsafe.fit(model, (x, y), preflight=False, **arguments)
+        history = tfmemsafe.fit(model, (x, y), preflight=False, **arguments)
+        errors = len(history.oom_events)
     else:
         model.fit(x, y, **arguments)
     return {
+        "errors": errors,
+        "updates": int(model.optimizer.iterations.numpy()),
         "parameters": model.count_params(),
         "state": state,
+        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "extra": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         - before,
         "cpu": _cpu_seconds() - cpu,
@@ -126,6 +173,38 @@ def main(argv):
             f"{_mib(extra)} | {extra / plain['state']:+.1%} | "
             f"{wrapped['cpu'] / plain['cpu']:.3f} | "
             f"{wrapped['wall'] / plain['wall']:.3f} |",
+            flush=True,
+        )
+    if _RECOVER_WIDTH.value:
+        _recovered(_RECOVER_WIDTH.value, rows, epochs, size, _CAP_MB.value)
+
+
+def _recovered(width, rows, epochs, size, cap_mb):
+    from tfmemsafe import testing
+
+    print(
+        f"\nOne recovered error at hidden width {width}, CPU allocator "
+        f"capped at {cap_mb} MB: `tfmemsafe.fit` with memory held at epoch "
+        "1, step 1 until the next step, beside `model.fit` with nothing "
+        "held.\n"
+    )
+    print(
+        "| run | errors | updates | peak RSS MiB | over start MiB | CPU s | "
+        "wall s | CPU ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    plain, recovered = (
+        testing.run_with_memory_cap(
+            train, cap_mb, args=[wrapper, width, rows, epochs, size, wrapper]
+        )
+        for wrapper in (False, True)
+    )
+    for name, run in (("model.fit", plain), ("tfmemsafe.fit", recovered)):
+        print(
+            f"| {name} | {run['errors']} | {run['updates']} | "
+            f"{_mib(run['peak'])} | {_mib(run['extra'])} | "
+            f"{run['cpu']:.1f} | {run['wall']:.1f} | "
+            f"{run['cpu'] / plain['cpu']:.3f} |",
             flush=True,
         )
 
