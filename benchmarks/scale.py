@@ -78,39 +78,12 @@ def _cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def _held_until_next_step():
-    """A callback that fills the allocator at epoch 1, step 1 and lets go
-    when the next step begins."""
-    import keras
-    import tensorflow as tf
-
-    class HeldUntilNextStep(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.epoch, self.pieces, self.taken = None, [], False
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if self.pieces:
-                self.pieces = []
-            elif not self.taken and (self.epoch, batch) == (1, 1):
-                self.taken = True
-                try:
-                    while True:
-                        self.pieces.append(tf.zeros((2**20 // 4,)))
-                except tf.errors.ResourceExhaustedError:
-                    pass  # Full.
-
-    return HeldUntilNextStep()
-
-
 def train(wrapper, width, rows, epochs, batch_size, hold=False):
     """One training run in this process; returns its costs."""
     import numpy as np
 
     import tfmemsafe
+    from tfmemsafe import testing
 
     x, y = _data(rows)
     model = _model(width)
@@ -118,7 +91,7 @@ def train(wrapper, width, rows, epochs, batch_size, hold=False):
     state = sum(np.prod(v.shape) * 4 for v in variables)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cpu, wall = _cpu_seconds(), time.perf_counter()
-    callbacks = [_held_until_next_step()] if hold else []
+    callbacks = [testing.HeldMemory(epoch=1, step=1)] if hold else []
     arguments = dict(
         batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks
     )

@@ -122,43 +122,6 @@ class MemoryHog(keras.callbacks.Callback):
             _HOG.append(tf.ones((self.megabytes * 2**18,), tf.float32))
 
 
-class HeldUntilNextStep(keras.callbacks.Callback):
-    """Fills the allocator at one step; lets go when the next step begins.
-
-    Like a tensor that something else in the process keeps from one step
-    to the next (a callback's copy of a batch's outputs, say): the step
-    runs out of memory with the allocator full, and all that tfmemsafe
-    does between the error and the retry (putting the epoch back, making
-    the data's iterator again, estimating) has next to no memory. With
-    `forever`, it never lets go, and the run has to give up. `leave_mb`
-    megabytes (the last taken, side by side) are let go at once.
-    """
-
-    def __init__(self, epoch, step, forever=False, leave_mb=0):
-        super().__init__()
-        self.at = (epoch, step)
-        self.forever = forever
-        self.leave_mb = leave_mb
-        self.epoch = None
-        self.pieces = []
-        self.taken = False
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.pieces and not self.forever:
-            self.pieces = []
-        elif not self.taken and (self.epoch, batch) == self.at:
-            self.taken = True
-            try:
-                while True:
-                    self.pieces.append(tf.zeros((2**20 // 4,)))
-            except tf.errors.ResourceExhaustedError:
-                pass  # Full.
-            del self.pieces[len(self.pieces) - self.leave_mb :]
-
-
 def fit_running_out(model, *points, callbacks=(), **kwargs):
     """`tfmemsafe.fit` on `table()` at batch 32, running out at `points`
     (`testing.SimulatedOutOfMemory`'s `(phase, epoch, step)`)."""

@@ -158,7 +158,7 @@ def fit_auto_under_cap(hold):
     data, _ = _sequences()
     examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
     model = _counting_gru()
-    held = _models.HeldUntilNextStep(1, 1)
+    held = testing.HeldMemory(1, 1)
     callbacks = [held] if hold else []
     with testing.AllocatorFailures() as failures:
         history = tfmemsafe.fit(

@@ -462,7 +462,7 @@ def _fit_with_memory_held(
     """Two epochs of `tfmemsafe.fit`, the allocator full from epoch 1,
     step 1 until the next step (or for good); what the run left."""
     state = model.variables + [v for o in optimizers for v in o.variables]
-    held = _models.HeldUntilNextStep(1, 1, forever=forever, leave_mb=leave_mb)
+    held = testing.HeldMemory(1, 1, forever=forever, leave_mb=leave_mb)
     counter = _StepCounter()
     at_epoch_end = _StateAtEpochEnd(state)
     result = {"error": None, "events": []}
@@ -479,7 +479,7 @@ def _fit_with_memory_held(
         result["epochs"] = history.epoch
     except tfmemsafe.OutOfMemoryError as err:
         result["error"] = str(err)
-    held.pieces = []
+    held.release()
     result.update(
         steps=counter.steps,
         iterations=[int(o.iterations.numpy()) for o in optimizers],

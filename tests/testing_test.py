@@ -316,6 +316,32 @@ class SimulatedOutOfMemoryTest(parameterized.TestCase, tf.test.TestCase):
             testing.SimulatedOutOfMemory(point)
 
 
+def _in_use_under_a_hold():
+    """Memory in use at the start of each step of one epoch, with 4 MB
+    left free from step 1 until step 2 begins."""
+    in_use = []
+
+    class InUse(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            info = tfmemsafe.memory.memory_info("CPU:0")
+            in_use.append((info.current_bytes, info.limit_bytes))
+
+    held = testing.HeldMemory(0, 1, leave_mb=4)
+    model = _small_dense()
+    x, y = np.zeros((32, 4), "float32"), np.zeros((32,), "int32")
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[held, InUse()])
+    return in_use
+
+
+class HeldMemoryTest(tf.test.TestCase):
+    def test_fills_the_allocator_for_one_step(self):
+        in_use = testing.run_with_memory_cap(_in_use_under_a_hold, 100)
+        (before, limit), (held, _), (after, _), _ = in_use
+        self.assertGreater(held, limit - 6 * 2**20)
+        self.assertLess(before, limit / 2)
+        self.assertLess(after, limit / 2)
+
+
 class ReferenceTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(
         ("conv_net", "conv_net", (24, 24, 3), 16 * 3 * 9 + 16),

@@ -9,8 +9,10 @@ capped, so TensorFlow really runs out of memory, and raises the error
 back in the parent where `tfmemsafe.is_oom_error` recognises it.
 `run_workers` starts a local multi-worker cluster of such processes, and
 `AllocatorFailures` counts the allocator's own out-of-memory reports and
-`training_peak_bytes` reads its peak. For tests in this process,
-`SimulatedOutOfMemory` raises the error at chosen steps; `reference_model`,
+`training_peak_bytes` reads its peak. `HeldMemory` fills the capped
+allocator at a chosen step, as memory that something else holds. For
+tests in this process, `SimulatedOutOfMemory` raises the error at chosen
+steps; `reference_model`,
 `random_data` and `random_images` give seeded networks and data that
 tests and benchmarks share.
 """
@@ -19,6 +21,7 @@ from tfmemsafe.testing._allocator import AllocatorFailures
 from tfmemsafe.testing._allocator import memory_cap_environment
 from tfmemsafe.testing._allocator import training_peak_bytes
 from tfmemsafe.testing._child import SubprocessError
+from tfmemsafe.testing._held_memory import HeldMemory
 from tfmemsafe.testing._reference import random_data
 from tfmemsafe.testing._reference import random_images
 from tfmemsafe.testing._reference import reference_model
@@ -29,6 +32,7 @@ from tfmemsafe.testing._simulated_oom import SimulatedOutOfMemory
 
 __all__ = [
     "AllocatorFailures",
+    "HeldMemory",
     "SimulatedOutOfMemory",
     "SubprocessError",
     "memory_cap_environment",
