@@ -110,6 +110,23 @@ class OrderTest(parameterized.TestCase, tf.test.TestCase):
         updates = _update_assignments(_step_graph(model, optimizer))[:-1]
         self.assertFalse(_after(updates[3], updates[2]))
 
+    def test_a_step_traced_before_the_guard_gets_the_barrier(self):
+        # Keras keeps the step an earlier `model.fit` traced; run without
+        # the barrier, it would never set the marker.
+        model = _model()
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+        x, y = np.ones((8, 4), "float32"), np.zeros((8,), "int32")
+        model.fit(x, y, batch_size=4, verbose=0)
+        guard = _step_guard.StepGuard(model, [model.optimizer], [])
+        try:
+            guard.save_small_state()
+            self.assertFalse(guard.touched())
+            model.fit(x, y, batch_size=4, verbose=0)
+            self.assertTrue(guard.touched())
+        finally:
+            guard.close()
+        self.assertIsNone(model.train_function)
+
     def test_ordered_updates_train_as_model_fit_does(self):
         x = np.random.default_rng(0).random((64, 4), "float32")
         y = (x[:, 0] > 0.5).astype("int32")

@@ -78,6 +78,9 @@ class StepGuard:
             ]
         self._save = tf.function(self._save_eagerly)
         self._restore = tf.function(self._restore_eagerly)
+        # A step Keras traced before (an earlier `model.fit`) has neither
+        # barrier nor order: traced again at the next call.
+        model.train_function = None
 
     def _patch(self, owner, name):
         original = getattr(owner, name)
@@ -194,10 +197,11 @@ class StepGuard:
             self._deferred, self._sink = None, None
 
     def close(self) -> None:
-        """Removes the barrier."""
+        """Removes the barrier (and the step traced with it)."""
         for owner, name in self._patched:
             vars(owner).pop(name, None)
         self._patched = []
+        self.model.train_function = None
 
     def _save_eagerly(self):
         for copy, variable in zip(self._copies, self._small, strict=True):
