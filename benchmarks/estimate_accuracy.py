@@ -21,8 +21,16 @@ error (predicted over measured, minus one), and across the processes the
 spread (largest less smallest, over the median) of `max_batch_size()`
 and of the prediction at the first process's largest size.
 
+With `--step=tfmemsafe.fit`, the probes and the measured steps are the
+step as `tfmemsafe.fit` trains it and its own estimates measure it: each
+optimizer's updates wait for every gradient and run one after another
+(the step guard, installed through a private module, as `fit` installs
+it). With `--step=model.fit` (the default), Keras' own step, as
+`tfmemsafe.estimate_memory` measures it for plain `model.fit`.
+
 Example:
     python benchmarks/estimate_accuracy.py
+    python benchmarks/estimate_accuracy.py --step=tfmemsafe.fit
 """
 
 import concurrent.futures
@@ -50,6 +58,12 @@ _ARCHITECTURES = flags.DEFINE_list(
     ],
     "Networks to measure.",
 )
+_STEP = flags.DEFINE_enum(
+    "step",
+    "model.fit",
+    ["model.fit", "tfmemsafe.fit"],
+    "The training step measured: Keras' own, or tfmemsafe.fit's.",
+)
 
 _MIB = 1024 * 1024
 # Each network's sample shape, cap in MB and whether its data is token
@@ -64,16 +78,24 @@ NETWORKS = {
 }
 
 
-def measure(name, multiples):
+def measure(name, multiples, step="model.fit"):
     """Estimates, then measures at `multiples` of the largest probe."""
     import gc
 
     import tfmemsafe
+    from tfmemsafe import _model_state
+    from tfmemsafe import _step_guard
     from tfmemsafe import estimate as estimate_lib
     from tfmemsafe import testing
 
     shape, _, tokens = NETWORKS[name]
     model = testing.reference_model(name, (None,) if tokens else shape)
+    if step == "tfmemsafe.fit":
+        _step_guard.StepGuard(
+            model,
+            _model_state.optimizers_of(model),
+            _model_state.gradient_accumulators_of(model),
+        )
     data = testing.random_data(shape, tokens=tokens)
     estimate = tfmemsafe.estimate_memory(model, data)
     largest = estimate.measurements[-1][0]
@@ -122,7 +144,7 @@ def main(argv):
                     testing.run_with_memory_cap,
                     measure,
                     NETWORKS[name][1],
-                    args=[name, multiples],
+                    args=[name, multiples, _STEP.value],
                     timeout=1800,
                 )
                 for _ in range(_REPEATS.value)

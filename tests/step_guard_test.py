@@ -1,4 +1,4 @@
-"""Tests for what the step guard orders (`recovery/_step_guard.py`).
+"""Tests for what the step guard orders (`_step_guard.py`).
 
 The barrier and its marker are tested through `fit` in recovery_test and
 resume_test; here, that the updates it releases run one after another,
@@ -13,8 +13,8 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from tfmemsafe import _step_guard
 from tfmemsafe import testing
-from tfmemsafe.recovery import _step_guard
 
 _ASSIGNMENTS = (
     "AssignVariableOp",

@@ -135,6 +135,7 @@ def estimate_source(
     largest: int | None = None,
     device=None,
     probe_budget: float = _probe.PROBE_BUDGET,
+    guarded: bool = False,
 ) -> MemoryEstimate:
     """`estimate_memory` on a checked `_sources.Source`, for any phase.
 
@@ -156,6 +157,10 @@ def estimate_source(
             fifth of the free memory fell short by 12 to 16% at sizes
             that filled it, on a transformer; see `tfmemsafe.data.
             memory_buckets`). Defaults to `PROBE_BUDGET`, 0.2.
+        guarded: bool. Measure the training step as `tfmemsafe.fit` trains
+            it, with the step guard's barrier and ordered updates (see
+            `_step_guard`), where none is installed already. Defaults to
+            `False`: the step as plain `model.fit` runs it.
 
     Returns:
         A `MemoryEstimate`.
@@ -163,7 +168,7 @@ def estimate_source(
     replicas = model.distribute_strategy.num_replicas_in_sync
     devices = _probe.devices_of(model, device)
     limits = _probe.check_statistics(devices)
-    probe = _probe.Probe(model, source, devices, phase, limits)
+    probe = _probe.Probe(model, source, devices, phase, limits, guarded=guarded)
     try:
         if batch_sizes is None:
             measurements = _probe.measure_default_sizes(

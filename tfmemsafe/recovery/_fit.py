@@ -22,6 +22,7 @@ from tfmemsafe._sources import Arrays
 from tfmemsafe._sources import BucketedExamples
 from tfmemsafe._sources import UnbatchedDataset
 from tfmemsafe._sources import source_for
+from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.history import fit_history_of
@@ -33,7 +34,6 @@ from tfmemsafe.recovery._policy import VALIDATION
 from tfmemsafe.recovery._policy import SizePolicy
 from tfmemsafe.recovery._runner import FitRun
 from tfmemsafe.recovery._settings import FitSettings
-from tfmemsafe.recovery._step_guard import StepGuard
 
 # `model.fit` arguments that `tfmemsafe.fit` takes in its own way.
 _DATA_ARGUMENTS = ("x", "y", "sample_weight")

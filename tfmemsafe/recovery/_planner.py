@@ -262,7 +262,7 @@ class SizePlanner:
             return None, "a multi-worker job (workers could choose differently)"
         try:
             made = estimate_lib.estimate_source(
-                self.model, source, phase=phase, largest=largest
+                self.model, source, phase=phase, largest=largest, guarded=True
             )
         except (MemoryEstimateError, OutOfMemoryError) as err:
             return None, str(err)

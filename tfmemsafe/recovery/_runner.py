@@ -21,6 +21,7 @@ from tfmemsafe import _messages
 from tfmemsafe import distribute
 from tfmemsafe._sources import Arrays
 from tfmemsafe._sources import Source
+from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
@@ -44,7 +45,6 @@ from tfmemsafe.recovery._retry import release
 from tfmemsafe.recovery._retry import retry_on_oom
 from tfmemsafe.recovery._settings import FitSettings
 from tfmemsafe.recovery._split import SplitBatch
-from tfmemsafe.recovery._step_guard import StepGuard
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfmemsafe._sources import BucketedExamples
+from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import accumulation_steps_of
-from tfmemsafe.recovery._step_guard import StepGuard
 
 _OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
 # The class of `tf.distribute.get_strategy()` outside any strategy's scope;

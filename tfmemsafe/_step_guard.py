@@ -9,7 +9,9 @@ even when no data came (Keras' extra call at the end of a dataset of
 unknown length: issue #16.1). Metric updates and BatchNormalization's
 moving statistics run in the forward pass, before any gradient.
 
-`StepGuard`, installed for one `tfmemsafe.fit` call, makes that knowable:
+`StepGuard`, installed for one `tfmemsafe.fit` call (and for the probes
+of the estimates `fit` makes, so that they measure the step it trains),
+makes that knowable:
 
 - A barrier: every optimizer's `apply` and every `GradientAccumulator`'s
   `accumulate` waits until all of its gradients exist, and every op it
@@ -39,9 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import keras
 import tensorflow as tf
+
+# The guard installed on each model, if any.
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StepGuard:
@@ -81,6 +87,12 @@ class StepGuard:
         # A step Keras traced before (an earlier `model.fit`) has neither
         # barrier nor order: traced again at the next call.
         model.train_function = None
+        _INSTALLED[model] = self
+
+    @staticmethod
+    def installed_on(model) -> bool:
+        """Whether a guard is installed on `model` now."""
+        return model in _INSTALLED
 
     def _patch(self, owner, name):
         original = getattr(owner, name)
@@ -202,6 +214,8 @@ class StepGuard:
             vars(owner).pop(name, None)
         self._patched = []
         self.model.train_function = None
+        if _INSTALLED.get(self.model) is self:
+            del _INSTALLED[self.model]
 
     def _save_eagerly(self):
         for copy, variable in zip(self._copies, self._small, strict=True):
