@@ -213,6 +213,28 @@ def estimate_after_other_work():
     return results
 
 
+def _assert_agree(test, summaries):
+    """Predictions within 3% and `max_batch_size()` within 5% of their
+    medians."""
+    peaks = [s["peak_512"] for s in summaries]
+    sizes = [s["max_batch_size"] for s in summaries]
+    middle_peak, middle_size = np.median(peaks), np.median(sizes)
+    for peak, size in zip(peaks, sizes, strict=True):
+        test.assertLess(abs(peak / middle_peak - 1), 0.03, msg=summaries)
+        test.assertLess(abs(size / middle_size - 1), 0.05, msg=summaries)
+
+
+def fit_estimate_in_a_fresh_process():
+    """The estimate `tfmemsafe.fit` makes: of the step it trains, with the
+    step guard's barrier and ordered updates."""
+    from tfmemsafe import _model_state
+    from tfmemsafe import _step_guard
+
+    model, data = _repeat_model_and_data()
+    _step_guard.StepGuard(model, _model_state.optimizers_of(model), [])
+    return _summary(tfmemsafe.estimate_memory(model, data))
+
+
 # The proof of the memory model (RepeatableTest, RealCapTest) runs when
 # asked for, not in the README's test command: its capped children take
 # about seven minutes of two cores, more than the suite's budget has left,
@@ -252,19 +274,38 @@ class RepeatableTest(tf.test.TestCase):
         cls._pool.shutdown(wait=True)
         super().tearDownClass()
 
-    def _assert_agree(self, summaries):
-        peaks = [s["peak_512"] for s in summaries]
-        sizes = [s["max_batch_size"] for s in summaries]
-        middle_peak, middle_size = np.median(peaks), np.median(sizes)
-        for peak, size in zip(peaks, sizes, strict=True):
-            self.assertLess(abs(peak / middle_peak - 1), 0.03, msg=summaries)
-            self.assertLess(abs(size / middle_size - 1), 0.05, msg=summaries)
-
     def test_five_processes_predict_within_3pct(self):
-        self._assert_agree([future.result() for future in self._fresh])
+        _assert_agree(self, [future.result() for future in self._fresh])
 
     def test_one_process_predicts_the_same_whatever_ran_before(self):
-        self._assert_agree(list(self._one.result().values()))
+        _assert_agree(self, list(self._one.result().values()))
+
+
+@_PROOF
+class FitEstimateRepeatableTest(tf.test.TestCase):
+    """Five fresh processes make the estimate `fit` makes within 3%.
+
+    Not yet: in its first run three processes agreed to 0.05%
+    (`peak_bytes(512)` 218.3 to 218.4 MB, `max_batch_size()` 611 to 612)
+    and two did not (198.7 MB and 255.0 MB, one of them after a fifth
+    probe): the conv net's spread with oneDNN off is in its forward and
+    backward pass (Eigen's convolution buffers), which the step guard's
+    order does not touch (docs/memory-estimate.md, "Repeatability").
+    """
+
+    def test_five_processes_predict_within_3pct(self):
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            summaries = list(
+                pool.map(
+                    lambda _: testing.run_with_memory_cap(
+                        fit_estimate_in_a_fresh_process,
+                        _REPEAT_CAP_MB,
+                        timeout=1500,
+                    ),
+                    range(5),
+                )
+            )
+        _assert_agree(self, summaries)
 
 
 @_PROOF
