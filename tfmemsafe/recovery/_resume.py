@@ -35,10 +35,14 @@ class EpochStart(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         # A retry starts at the epoch it has just restored: no new copy.
         if epoch != self.epoch:
-            previous, self.snapshot = self.snapshot, Snapshot(self.model)
+            # The last epoch's copy goes first, so that the disk never
+            # holds two: until a step of this epoch runs, the model is its
+            # start, and needs no copy to be put back.
+            if self.snapshot is not None:
+                self.snapshot.close()
+                self.snapshot = None
+            self.snapshot = Snapshot(self.model)
             self.epoch = epoch
-            if previous is not None:
-                previous.close()
         if self.reserve is None:
             self.reserve = Reserve(devices_of(self.model))
         self.reserve.take()
