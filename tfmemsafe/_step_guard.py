@@ -150,8 +150,8 @@ class StepGuard:
         assignment a marker op on the assigned variable (ordered after the
         assignment by `tf.function`'s automatic control dependencies, and
         reading nothing) becomes what the following ops wait for. An
-        `update_step` that assigns in another way is still started after
-        the one before it.
+        `update_step` that assigns in another way still starts after the
+        last assignment ordered before it.
         """
         guard = self
         step = optimizer.update_step
@@ -160,8 +160,12 @@ class StepGuard:
         def update_step(gradient, variable, learning_rate):
             if guard._after is None:
                 return step(gradient, variable, learning_rate)
+            # A marker traced in another graph (one branch of a `cond`,
+            # as in `LossScaleOptimizer`) cannot be waited for here.
+            graph = tf.compat.v1.get_default_graph()
+            after = [op for op in guard._after if op.graph is graph]
             with contextlib.ExitStack() as within:
-                within.enter_context(tf.control_dependencies(guard._after))
+                within.enter_context(tf.control_dependencies(after))
                 guard._within = within
                 try:
                     return step(gradient, variable, learning_rate)
