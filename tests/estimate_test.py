@@ -364,6 +364,15 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLess(abs(error), tolerance, msg=f"{name}: {result}")
 
 
+def _dense_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+    return model
+
+
 def _state(model, accumulators=()):
     """Every piece of state `estimate_memory` must leave as it found it."""
     from keras.src.backend.common import global_state
@@ -414,6 +423,41 @@ class EstimateMemoryTest(tf.test.TestCase):
         self.assertEqual(int(model.optimizer.iterations), iterations)
         self.assertEqual(int(accumulator.pending_micro_batches), 1)
         self.assertIs(model.history, history)
+
+    def test_a_guarded_estimate_measures_fits_step_and_takes_its_guard_off(
+        self,
+    ):
+        # `fit`'s own estimates probe the step it trains (the step guard's
+        # barrier and order), and leave the model as they found it.
+        from unittest import mock
+
+        from tfmemsafe import _sources
+        from tfmemsafe import _step_guard
+        from tfmemsafe import estimate as estimate_lib
+        from tfmemsafe.estimate import _probe
+
+        _needs_statistics(self)
+        model = _dense_model()
+        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+        y = (x[:, 0] > 0).astype("int32")
+        model.fit(x, y, batch_size=16, verbose=0)
+        traced = model.train_function
+        source = _sources.source_for((x, y), "data", labelled=True)
+        for guarded in (False, True):
+            with mock.patch.object(
+                _probe, "StepGuard", wraps=_step_guard.StepGuard
+            ) as installed:
+                try:
+                    estimate_lib.estimate_source(
+                        model, source, batch_sizes=[4, 8, 16], guarded=guarded
+                    )
+                except tfmemsafe.MemoryEstimateError:
+                    pass  # A flat line: the guard matters here, not it.
+            self.assertEqual(installed.called, guarded)
+            self.assertFalse(_step_guard.StepGuard.installed_on(model))
+            self.assertNotIn("apply", vars(model.optimizer))
+            self.assertNotIn("update_step", vars(model.optimizer))
+            self.assertIs(model.train_function, traced)
 
     def test_line_passes_near_every_measurement(self):
         # A fresh process: in a long-lived one, what earlier work left on
