@@ -6,6 +6,7 @@ scenarios they run can use these too. Networks and data that benchmarks
 share as well live in `tfmemsafe.testing`.
 """
 
+import concurrent.futures
 import contextlib
 from unittest import mock
 
@@ -165,3 +166,17 @@ def mirrored_on_two_cpus():
     """A `MirroredStrategy` over two logical CPU devices (a child only)."""
     two_cpu_devices()
     return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+def side_by_side(target, arguments, cap_mb=None) -> list:
+    """`target(*args)` for each `args` in `arguments`, each in a fresh
+    process (under a `cap_mb` allocator cap, if given), all at once; their
+    results in order. For comparisons whose children mostly wait."""
+
+    def run(args):
+        if cap_mb is None:
+            return testing.run_in_subprocess(target, args=args)
+        return testing.run_with_memory_cap(target, cap_mb, args=args)
+
+    with concurrent.futures.ThreadPoolExecutor(len(arguments)) as pool:
+        return list(pool.map(run, arguments))

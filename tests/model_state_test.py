@@ -5,9 +5,10 @@ recovery_test (`test_memory_held_for_good_gives_up_and_puts_the_state_back`).
 `ReserveTest` puts a state back with less than a piece free.
 """
 
-import concurrent.futures
 import os
 from unittest import mock
+
+import _models
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
 # be chosen before TensorFlow is imported.
@@ -19,7 +20,6 @@ import tensorflow as tf  # noqa: E402
 
 import tfmemsafe  # noqa: E402
 from tfmemsafe import _model_state  # noqa: E402
-from tfmemsafe import testing  # noqa: E402
 
 
 def _conv_net():
@@ -118,13 +118,9 @@ class ReserveTest(tf.test.TestCase):
     """Under a real cap, with everything else taken by other tensors."""
 
     def test_a_reserve_lets_the_state_back_with_the_allocator_full(self):
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            with_reserve, without = pool.map(
-                lambda reserve: testing.run_with_memory_cap(
-                    restore_with_nothing_free, 120, args=[reserve]
-                ),
-                [True, False],
-            )
+        with_reserve, without = _models.side_by_side(
+            restore_with_nothing_free, [[True], [False]], cap_mb=120
+        )
         self.assertTrue(with_reserve["taken"], msg=with_reserve)
         self.assertTrue(with_reserve["restored"], msg=with_reserve)
         # Without it, not one 1 MiB piece could be read back.

@@ -1141,13 +1141,9 @@ class HostMemoryTest(parameterized.TestCase, tf.test.TestCase):
     """What `tfmemsafe.fit` adds to the host memory of `model.fit`."""
 
     def test_overhead_does_not_grow_with_the_model(self):
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            plain, wrapped = pool.map(
-                lambda wrapper: testing.run_in_subprocess(
-                    peak_rss_of_fit_of_a_large_model, args=[wrapper]
-                ),
-                [False, True],
-            )
+        plain, wrapped = _models.side_by_side(
+            peak_rss_of_fit_of_a_large_model, [[False], [True]]
+        )
         extra = (wrapped["peak"] - wrapped["before"]) - (
             plain["peak"] - plain["before"]
         )
@@ -1159,13 +1155,9 @@ class HostMemoryTest(parameterized.TestCase, tf.test.TestCase):
 
     @parameterized.parameters(True, False)
     def test_array_epochs_make_no_copy_of_the_arrays(self, shuffle):
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            plain, wrapped = pool.map(
-                lambda wrapper: testing.run_in_subprocess(
-                    peak_rss_of_fit_on_arrays, args=[wrapper, shuffle]
-                ),
-                [False, True],
-            )
+        plain, wrapped = _models.side_by_side(
+            peak_rss_of_fit_on_arrays, [[False, shuffle], [True, shuffle]]
+        )
         arrays = _HOST_ROWS * _HOST_FEATURES * 4
         # A copy of the arrays would add 256 MiB; allow a quarter of it
         # for what else differs (the estimate's absence, thread stacks).

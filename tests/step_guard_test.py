@@ -5,16 +5,15 @@ resume_test; here, that the updates it releases run one after another,
 read from the traced step's graph, and what that does to the step's peak.
 """
 
-import concurrent.futures
 import itertools
 
+import _models
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 from tfmemsafe import _step_guard
-from tfmemsafe import testing
 
 _ASSIGNMENTS = (
     "AssignVariableOp",
@@ -212,13 +211,9 @@ class PeakTest(tf.test.TestCase):
         # Released together by the barrier, Adam's updates peaked one
         # more copy of the largest variable (16 MiB here) above
         # `model.fit`'s steps at some steps; in order, at or below them.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            plain, ordered = pool.map(
-                lambda guarded: testing.run_in_subprocess(
-                    step_peaks_of_an_mlp, args=[guarded]
-                ),
-                [False, True],
-            )
+        plain, ordered = _models.side_by_side(
+            step_peaks_of_an_mlp, [[False], [True]]
+        )
         self.assertLessEqual(
             max(ordered), np.median(plain) + 1, msg=(plain, ordered)
         )
