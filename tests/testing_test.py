@@ -333,13 +333,25 @@ def _in_use_under_a_hold():
     return in_use
 
 
-class HeldMemoryTest(tf.test.TestCase):
+class HeldMemoryTest(parameterized.TestCase, tf.test.TestCase):
     def test_fills_the_allocator_for_one_step(self):
         in_use = testing.run_with_memory_cap(_in_use_under_a_hold, 100)
         (before, limit), (held, _), (after, _), _ = in_use
         self.assertGreater(held, limit - 6 * 2**20)
         self.assertLess(before, limit / 2)
         self.assertLess(after, limit / 2)
+
+    @parameterized.named_parameters(
+        ("epoch", {"epoch": -1}, "epoch"),
+        ("step", {"step": 1.5}, "step"),
+        ("leave_mb", {"leave_mb": -4}, "leave_mb"),
+    )
+    def test_bad_argument_raises_value_error(self, kwargs, name):
+        arguments = {"epoch": 0, "step": 1, **kwargs}
+        with self.assertRaisesRegex(
+            ValueError, rf"^`{name}` must be an integer >= 0"
+        ):
+            testing.HeldMemory(**arguments)
 
 
 class ReferenceTest(parameterized.TestCase, tf.test.TestCase):

@@ -12,9 +12,8 @@ back in the parent where `tfmemsafe.is_oom_error` recognises it.
 `training_peak_bytes` reads its peak. `HeldMemory` fills the capped
 allocator at a chosen step, as memory that something else holds. For
 tests in this process, `SimulatedOutOfMemory` raises the error at chosen
-steps; `reference_model`,
-`random_data` and `random_images` give seeded networks and data that
-tests and benchmarks share.
+steps; `reference_model`, `random_data` and `random_images` give seeded
+networks and data that tests and benchmarks share.
 """
 
 from tfmemsafe.testing._allocator import AllocatorFailures

@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmemsafe import _checks
+
 _PIECE_BYTES = 2**20
 
 
@@ -28,6 +30,10 @@ class HeldMemory(keras.callbacks.Callback):
         leave_mb: int. Megabytes (the last pieces taken, side by side) let
             go at once. Defaults to 0.
 
+    Raises:
+        ValueError: If `epoch`, `step` or `leave_mb` is not an integer
+            >= 0.
+
     Example:
     >>> def run():
     ...     history = tfmemsafe.fit(
@@ -41,9 +47,12 @@ class HeldMemory(keras.callbacks.Callback):
 
     def __init__(self, epoch: int, step: int, *, forever=False, leave_mb=0):
         super().__init__()
-        self.at = (epoch, step)
+        self.at = (
+            _checks.integer("epoch", epoch, 0),
+            _checks.integer("step", step, 0),
+        )
         self.forever = forever
-        self.leave_mb = leave_mb
+        self.leave_mb = _checks.integer("leave_mb", leave_mb, 0)
         self.pieces = []
         self.epoch = None
         self.taken = False
@@ -64,7 +73,7 @@ class HeldMemory(keras.callbacks.Callback):
                     self.pieces.append(tf.zeros((_PIECE_BYTES // 4,)))
             except tf.errors.ResourceExhaustedError:
                 pass  # Full.
-            del self.pieces[len(self.pieces) - self.leave_mb :]
+            del self.pieces[max(len(self.pieces) - self.leave_mb, 0) :]
 
     def release(self) -> None:
         """Lets go of everything held."""
