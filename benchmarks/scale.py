@@ -101,14 +101,14 @@ def train(wrapper, width, rows, epochs, batch_size, hold=False):
         errors = len(history.oom_events)
     else:
         model.fit(x, y, **arguments)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "errors": errors,
         "updates": int(model.optimizer.iterations.numpy()),
         "parameters": model.count_params(),
         "state": state,
-        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "extra": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        - before,
+        "peak": peak,
+        "extra": peak - before,
         "cpu": _cpu_seconds() - cpu,
         "wall": time.perf_counter() - wall,
     }
@@ -123,6 +123,12 @@ def main(argv):
     from tfmemsafe import testing
 
     rows, epochs, size = _ROWS.value, _EPOCHS.value, _BATCH_SIZE.value
+    if _RECOVER_WIDTH.value and (epochs < 2 or rows < 2 * size):
+        # The memory is held at epoch 1, step 1.
+        raise app.UsageError(
+            "The recovered error needs `--epochs` >= 2 and `--rows` of at "
+            "least two batches, or `--recover_width=0`."
+        )
     print(
         f"An MLP with Adam, {rows} rows of {_FEATURES} features, {epochs} "
         f"epochs at batch {size}; peak RSS over the start of training.\n"
