@@ -18,6 +18,7 @@ import os
 # be chosen before TensorFlow is imported.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
+import _models  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -364,15 +365,6 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLess(abs(error), tolerance, msg=f"{name}: {result}")
 
 
-def _dense_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)]
-    )
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
-    return model
-
-
 def _state(model, accumulators=()):
     """Every piece of state `estimate_memory` must leave as it found it."""
     from keras.src.backend.common import global_state
@@ -437,9 +429,8 @@ class EstimateMemoryTest(tf.test.TestCase):
         from tfmemsafe.estimate import _probe
 
         _needs_statistics(self)
-        model = _dense_model()
-        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-        y = (x[:, 0] > 0).astype("int32")
+        model = _models.dense_model()
+        x, y = _models.table(64)
         model.fit(x, y, batch_size=16, verbose=0)
         traced = model.train_function
         source = _sources.source_for((x, y), "data", labelled=True)

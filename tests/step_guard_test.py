@@ -65,11 +65,9 @@ def _after(op, earlier) -> bool:
 
 
 def _update_assignments(graph) -> list:
-    """The assignments of the variables' updates, in the order traced.
-
-    Every assignment op of the step but the flag the barrier sets first
-    and the optimizer's `iterations` increment made last.
-    """
+    """Every assignment op of the step, in the order traced: with the
+    guard, the flag the barrier sets comes first; the optimizer's
+    `iterations` increment is always last."""
     return [op for op in graph.get_operations() if op.type in _ASSIGNMENTS]
 
 
