@@ -23,7 +23,9 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import parameterized  # noqa: E402
 
 import tfmemsafe  # noqa: E402
+from tfmemsafe import distribute  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
+from tfmemsafe.data import _workers as data_workers  # noqa: E402
 
 _MB = 1024 * 1024
 # Under this cap the buckets' batches are smaller than the buckets (of
@@ -116,13 +118,22 @@ def buckets_under_cap(name):
 
 
 class _Seen(keras.layers.Layer):
-    """Counts, in a variable, the training steps each example id was in."""
+    """Counts, in a variable, the training steps each example id was in.
 
-    def __init__(self, count, **kwargs):
+    Under a multi-worker strategy (`aggregation="mean"`) a step adds the
+    mean of the workers' counts: each example trained once adds
+    1 / workers.
+    """
+
+    def __init__(self, count, aggregation="none", **kwargs):
         super().__init__(**kwargs)
         self.count = count
+        self.aggregation = aggregation
         self.seen = self.add_weight(
-            shape=(count,), initializer="zeros", trainable=False
+            shape=(count,),
+            initializer="zeros",
+            trainable=False,
+            aggregation=aggregation,
         )
 
     def call(self, x, ids, training=False):
@@ -136,6 +147,13 @@ class _Seen(keras.layers.Layer):
                 )
             )
         return x
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "count": self.count,
+            "aggregation": self.aggregation,
+        }
 
 
 def _counting_gru():
@@ -221,18 +239,58 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
             "fit_held": (fit_auto_under_cap, [True]),
             "fit_long": (fit_with_a_long_bucket_too_large_under_cap, []),
         }
-        cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios))
+        cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios) + 1)
         cls._results = {
             name: cls._pool.submit(
                 testing.run_with_memory_cap, target, _CAP_MB, args=args
             )
             for name, (target, args) in scenarios.items()
         }
+        cls._results["workers"] = cls._pool.submit(
+            testing.run_workers,
+            plan_and_fit_on_a_worker,
+            2,
+            env=testing.memory_cap_environment(_CAP_MB),
+            worker_env=[{}, {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(_WIDER_CAP_MB)}],
+        )
 
     @classmethod
     def tearDownClass(cls):
         cls._pool.shutdown(wait=True)
         super().tearDownClass()
+
+    def test_two_workers_agree_on_the_buckets_and_train_each_example_once(
+        self,
+    ):
+        first, second = self._results["workers"].result()
+        text = f"{first['text']}\n{second['text']}"
+        self.assertEqual(first["boundaries"], second["boundaries"])
+        self.assertEqual(first["counts"], second["counts"])
+        self.assertEqual(first["sizes"], second["sizes"], msg=text)
+        # Each bucket the smaller of what each worker's memory gives it:
+        # the worker with the wider cap would have chosen larger batches.
+        self.assertEqual(
+            first["sizes"],
+            [
+                min(a, b)
+                for a, b in zip(first["own"], second["own"], strict=True)
+            ],
+            msg=text,
+        )
+        self.assertTrue(
+            any(
+                o > s
+                for o, s in zip(second["own"], second["sizes"], strict=True)
+            ),
+            msg=text,
+        )
+        for worker in (first, second):
+            for peak in worker["peaks"]:
+                self.assertLess(peak, 0.8 * worker["limit"], msg=text)
+            # The epoch trained every example exactly once, on one worker
+            # or the other, with no out-of-memory error.
+            self.assertEqual(worker["seen"], [1.0], msg=text)
+            self.assertEqual((worker["failures"], worker["events"]), (0, 0))
 
     @parameterized.parameters("gru", "transformer")
     def test_every_example_is_batched_once_within_its_bucket(self, name):
@@ -308,24 +366,141 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertTrue(np.isfinite(result["loss"]).all())
 
 
-def plan_on_a_worker():
-    """`memory_buckets` on one worker of a two-worker job: its error."""
+# The second worker's cap: alone it would choose larger batches.
+_WIDER_CAP_MB = 220
+_WORKER_EXAMPLES = 1200
+
+
+def plan_and_fit_on_a_worker():
+    """`memory_buckets`, then an epoch of `tfmemsafe.fit(batch_size="auto")`
+    on its plan, on one worker of a two-worker job (an `AccumulatingModel`:
+    Keras 3 cannot fit a plain model under the strategy)."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    data, _ = _sequences(count=_WORKER_EXAMPLES, longest=300)
+    examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
+    with strategy.scope():
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        ids = keras.Input((), dtype="int32", name="id")
+        x = keras.layers.Embedding(2000, 64)(tokens)
+        x = keras.layers.GRU(128)(x)
+        x = _Seen(_WORKER_EXAMPLES, aggregation="mean", name="seen")(x, ids)
+        model = tfmemsafe.AccumulatingModel(
+            {"tokens": tokens, "id": ids},
+            keras.layers.Dense(4)(x),
+            accumulation_steps=1,
+        )
+        model.compile(
+            keras.optimizers.Adam(1e-3),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    plan = tfmemsafe.data.memory_buckets(examples, model)
+    # The size this worker's own memory model gives each bucket, by
+    # `memory_buckets`' rule, with what else was in use when it planned.
+    estimate, headroom = plan.estimate, 0.2  # `memory_buckets`' default.
+    held = plan.predicted_peak_bytes[0] - estimate.peak_bytes(
+        plan.bucket_batch_sizes[0], length=plan.lengths[0]
+    )
+    usable = int(estimate.limit_bytes - held / (1 - headroom))
+    own = [
+        min(
+            estimate.max_batch_size(
+                usable, headroom=headroom, multiple=plan.multiple, length=n
+            ),
+            4096,
+        )
+        for n in plan.lengths
+    ]
+    with (
+        mock.patch.object(tfmemsafe.data, "memory_buckets", return_value=plan),
+        testing.AllocatorFailures() as failures,
+    ):
+        history = tfmemsafe.fit(model, examples, batch_size="auto", verbose=0)
+    seen = model.get_layer("seen").seen.numpy() * strategy.num_replicas_in_sync
+    return {
+        "boundaries": list(plan.bucket_boundaries),
+        "sizes": list(plan.bucket_batch_sizes[:-1]),
+        "own": own,
+        "counts": list(plan.counts),
+        "peaks": list(plan.predicted_peak_bytes),
+        "limit": estimate.limit_bytes,
+        "seen": sorted(set(seen.round(6).tolist())),
+        "failures": failures.count,
+        "events": len(history.oom_events),
+        "text": str(plan),
+    }
+
+
+def plan_with_a_bad_length_on_the_second_worker():
+    """`memory_buckets` on a two-worker job whose second worker's
+    `length_fn` gives a negative length: each worker's error."""
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = testing.reference_model("gru", (None,))
     data, _ = _sequences(count=40, longest=100)
+    shift = 1000 * distribute.worker_index(strategy)
     try:
-        tfmemsafe.data.memory_buckets(_labelled(data), model)
-    except ValueError as err:
-        return str(err)
+        tfmemsafe.data.memory_buckets(
+            _labelled(data),
+            model,
+            length_fn=lambda tokens, label: tf.shape(tokens)[0] - shift,
+        )
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
     return None
 
 
 class MultiWorkerTest(tf.test.TestCase):
-    def test_a_multi_worker_job_is_refused_before_any_probe(self):
-        errors = testing.run_workers(plan_on_a_worker, 2)
-        for error in errors:
-            self.assertIn("does not plan for a multi-worker job", error)
+    def test_a_worker_that_cannot_plan_stops_every_worker(self):
+        first, second = testing.run_workers(
+            plan_with_a_bad_length_on_the_second_worker, 2, timeout=120
+        )
+        self.assertStartsWith(
+            first, "RuntimeError: `memory_buckets` stopped: another worker"
+        )
+        self.assertStartsWith(
+            second, "ValueError: `length_fn` must return lengths >= 0"
+        )
+
+    def test_the_copy_measured_must_be_made_outside_the_scope(self):
+        model = testing.reference_model("gru", (None,))
+        with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
+            with self.assertRaisesRegex(
+                ValueError, r"must be called outside `strategy.scope\(\)`"
+            ):
+                with data_workers.local_copy(model):
+                    pass
+
+    def test_a_model_that_cannot_be_copied_is_said(self):
+        class Uncopyable(keras.layers.Layer):
+            def __init__(self, units):  # No `get_config` for `units`.
+                super().__init__()
+                self.dense = keras.layers.Dense(units)
+
+            def call(self, x):
+                return self.dense(x)
+
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, Uncopyable(2)(inputs))
+        model.compile("adam", "mse")
+        with self.assertRaisesRegex(
+            ValueError, r"(?s)could not copy this one: .*complete `get_config`"
+        ):
+            with data_workers.local_copy(model):
+                pass
+
+    def test_one_devices_estimate_becomes_one_replicas_of_the_job(self):
+        one = _estimate()
+        job = data_workers.global_estimate(one, 4)
+        for size, length in ((8, 64), (100, 16), (32, 300)):
+            self.assertAllClose(
+                job.peak_bytes(4 * size, length=length),
+                one.peak_bytes(size, length=length),
+                atol=1,
+            )
+        self.assertEqual(
+            job.max_batch_size(length=64) // 4,
+            one.max_batch_size(length=64),
+        )
 
 
 class MemoryBucketsTest(tf.test.TestCase):

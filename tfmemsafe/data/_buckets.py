@@ -12,6 +12,7 @@ what tfmemsafe adds is the sizes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from tfmemsafe import estimate as estimate_lib
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
 from tfmemsafe.data import _lengths
+from tfmemsafe.data import _workers
 from tfmemsafe.errors import MemoryEstimateError
 
 _DEFAULT_MAX_BATCH_SIZE = 4096
@@ -263,6 +265,13 @@ def memory_buckets(
     bucket's batch for a few steps and sizes the buckets again from the
     estimate raised where a step held more than predicted.
 
+    Under a `MultiWorkerMirroredStrategy` of several workers, call it on
+    every worker (outside `strategy.scope()`): the workers share their
+    lengths and each bucket takes the smallest batch any worker predicts
+    to fit, each measuring its own device on a copy of the model outside
+    the strategy, so that every worker batches the same (see
+    docs/variable-length.md).
+
     Args:
         dataset: A finite, unbatched `tf.data.Dataset` of `(inputs,
             targets)` or `(inputs, targets, sample_weights)` examples
@@ -305,6 +314,10 @@ def memory_buckets(
             the longest that is).
         MemoryEstimateError: If no estimate can be made (a device without
             memory statistics, a model that cannot take other lengths).
+        RuntimeError: Under a multi-worker strategy, if another worker
+            could not plan (its own error is in its log). A call inside
+            the strategy's scope, or a model that cannot be copied from
+            its config, raises a `ValueError` on that worker.
 
     Example:
     >>> buckets = tfmemsafe.data.memory_buckets(train, model)
@@ -312,22 +325,11 @@ def memory_buckets(
     >>> model.fit(buckets.apply(train), epochs=3)
     """
     _checks.compiled_model(model, "memory_buckets")
-    if distribute.is_multi_worker(model.distribute_strategy):
-        # Probes and sizes are each worker's own: workers whose buckets
-        # differed would end an epoch after different numbers of steps,
-        # and wait for each other in a collective for ever.
-        raise ValueError(
-            "`memory_buckets` does not plan for a multi-worker job yet: "
-            "each worker would measure its own memory and could choose "
-            "other batch sizes than the rest. Batch each worker's data "
-            "with the same `tf.data.Dataset.bucket_by_sequence_length` "
-            "sizes instead. Received a model under a "
-            "MultiWorkerMirroredStrategy of more than one worker."
-        )
+    strategy = model.distribute_strategy
+    workers = distribute.is_multi_worker(strategy)
     _lengths.check_unbatched(dataset)
     max_batch_size = _checks.integer("max_batch_size", max_batch_size, 1)
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    multiple = replicas if multiple is None else multiple
+    multiple = strategy.num_replicas_in_sync if multiple is None else multiple
     multiple = _checks.integer("multiple", multiple, 1)
     if max_batch_size < multiple:
         raise ValueError(
@@ -335,77 +337,48 @@ def memory_buckets(
             f"Received: max_batch_size={max_batch_size}"
         )
     headroom = _checks.fraction("headroom", headroom)
+    if estimate is not None:
+        _check_estimate(estimate)
     dataset = _lengths.examples(dataset)
     length_fn = _lengths.length_fn_of(dataset, length_fn)
-    lengths = _lengths.read_lengths(dataset, length_fn)
-    if bucket_boundaries is None:
-        boundaries = _lengths.default_boundaries(lengths)
+    if workers:
+        # Every worker the same buckets, from every worker's lengths.
+        boundaries, counts, lengths = _workers.agreed_buckets(
+            strategy,
+            lambda: _lengths.read_lengths(dataset, length_fn),
+            bucket_boundaries,
+        )
     else:
-        boundaries = _lengths.checked_boundaries(bucket_boundaries, lengths)
-    counts = np.bincount(
-        np.searchsorted(boundaries, lengths, side="right"),
-        minlength=len(boundaries),
-    )[: len(boundaries)]
-    # A bucket with no example needs no size (and its length no probe).
-    boundaries = [b for b, c in zip(boundaries, counts, strict=True) if c]
-    counts = [int(c) for c in counts if c]
+        lengths = _lengths.read_lengths(dataset, length_fn)
+        if bucket_boundaries is None:
+            boundaries = _lengths.default_boundaries(lengths)
+        else:
+            boundaries = _lengths.checked_boundaries(bucket_boundaries, lengths)
+        counts = _lengths.bucket_counts(boundaries, lengths)
+        # A bucket with no example needs no size (and its length no probe).
+        boundaries = [b for b, c in zip(boundaries, counts, strict=True) if c]
+        counts = [int(c) for c in counts if c]
     padded = [boundary - 1 for boundary in boundaries]
-    measure = estimate is None
-    if measure:
-        _check_every_input_varies(dataset)
-        median = float(np.median(lengths))
-        base = next(length for length in padded if length >= median)
-        source = source_for(
-            _lengths.resized(dataset, base),
-            "dataset",
-            labelled=True,
-            strategy=model.distribute_strategy,
-        )
-        estimate = estimate_lib.estimate_source(
-            model,
-            source,
-            lengths=_probe_lengths(padded, base),
-            probe_budget=_PROBE_BUDGET,
-        )
-    elif not isinstance(estimate, estimate_lib.MemoryEstimate):
-        raise TypeError(
-            "`estimate` must be a tfmemsafe.MemoryEstimate or None. "
-            f"Received: estimate={estimate!r:.80}"
-        )
-    elif not estimate.length_coefficients:
-        raise ValueError(
-            "`estimate` must be made with `lengths` (a second dimension): "
-            "tfmemsafe.estimate_memory(model, data, lengths=[...]). "
-            "Received an estimate without one."
-        )
-    held = estimate_lib.held_bytes(estimate.device, estimate.state_bytes)
-    limit = _usable_limit(estimate, held, headroom)
-    cap = max_batch_size - max_batch_size % multiple
+    sizing = _Sizing(
+        max_batch_size - max_batch_size % multiple, multiple, headroom
+    )
 
-    def size_at(length: int) -> int:  # By the estimate of the moment.
-        size = estimate.max_batch_size(
-            limit, headroom=headroom, multiple=multiple, length=length
-        )
-        return min(size, cap)
+    arguments = (model, dataset, lengths, padded, counts, estimate, sizing)
+    if workers:
+        # Every worker the smallest size any predicts for each bucket; a
+        # worker whose planning raises makes every worker raise.
+        mine = {}
 
-    sizes = [size_at(length) for length in padded]
-    if measure and all(sizes):
-        # Each bucket's largest batch trained for a few steps, and the
-        # estimate raised where one held more than predicted: no size is
-        # then above what a measurement says fits.
-        batches = [
-            (max(multiple, min(size, count) // multiple * multiple), length)
-            for size, count, length in zip(sizes, counts, padded, strict=True)
-        ]
-        estimate = _measured(model, source, estimate, batches)
-        # Never larger than before: a measurement at a length may need
-        # less raising there than its neighbours' did before.
-        sizes = [
-            min(size, size_at(length))
-            for size, length in zip(sizes, padded, strict=True)
-        ]
+        def sizes_here():
+            mine["estimate"], mine["held"], sizes = _planned(*arguments)
+            return sizes
+
+        sizes = _workers.agreed_sizes(strategy, sizes_here, len(padded))
+        estimate, held = mine["estimate"], mine["held"]
+    else:
+        estimate, held, sizes = _planned(*arguments)
     if not all(sizes):
-        _raise_too_long(lengths, estimate, size_at, multiple, headroom)
+        _raise_too_long(lengths, estimate, held, sizing)
     peaks = [
         estimate.peak_bytes(size, length=length) + held
         for length, size in zip(padded, sizes, strict=True)
@@ -461,6 +434,103 @@ def bucket_by_memory(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sizing:
+    """How a bucket's batch is chosen from a memory model."""
+
+    cap: int  # `max_batch_size`, a multiple of `multiple`.
+    multiple: int
+    headroom: float
+
+    def size_at(self, estimate, held: int, length: int) -> int:
+        """The largest batch at `length` that leaves the headroom free
+        with `held` in use, by `estimate`."""
+        size = estimate.max_batch_size(
+            _usable_limit(estimate, held, self.headroom),
+            headroom=self.headroom,
+            multiple=self.multiple,
+            length=length,
+        )
+        return min(size, self.cap)
+
+
+def _check_estimate(estimate) -> None:
+    if not isinstance(estimate, estimate_lib.MemoryEstimate):
+        raise TypeError(
+            "`estimate` must be a tfmemsafe.MemoryEstimate or None. "
+            f"Received: estimate={estimate!r:.80}"
+        )
+    if not estimate.length_coefficients:
+        raise ValueError(
+            "`estimate` must be made with `lengths` (a second dimension): "
+            "tfmemsafe.estimate_memory(model, data, lengths=[...]). "
+            "Received an estimate without one."
+        )
+
+
+def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
+    """This worker's memory model, what else is in use, and each bucket's
+    largest batch by them.
+
+    Without `estimate`, one is measured on the data's own examples,
+    resized to the length of the bucket holding the median example, and
+    probed also at other buckets' lengths; then each bucket's batch is
+    trained for a few steps and the estimate raised where a step held
+    more than predicted, so that no size is above what a measurement says
+    fits. Under a multi-worker strategy it is measured on a local copy of
+    the model and made one replica's of the job (see `_workers`).
+    """
+    if estimate is not None:
+        held = estimate_lib.held_bytes(estimate.device, estimate.state_bytes)
+        return (
+            estimate,
+            held,
+            [sizing.size_at(estimate, held, n) for n in padded],
+        )
+    _check_every_input_varies(dataset)
+    median = float(np.median(lengths))
+    base = next(length for length in padded if length >= median)
+    strategy = model.distribute_strategy
+    workers = distribute.is_multi_worker(strategy)
+    replicas = strategy.num_replicas_in_sync if workers else 1
+    copy = _workers.local_copy(model) if workers else None
+    with copy or contextlib.nullcontext(model) as measured:
+        source = source_for(
+            _lengths.resized(dataset, base),
+            "dataset",
+            labelled=True,
+            strategy=measured.distribute_strategy,
+        )
+        first = estimate_lib.estimate_source(
+            measured,
+            source,
+            lengths=_probe_lengths(padded, base),
+            probe_budget=_PROBE_BUDGET,
+        )
+        first = _workers.global_estimate(first, replicas)
+        # What else is in use than the model (and its copy, which is
+        # deleted before training), read once for every size.
+        held = estimate_lib.held_bytes(
+            first.device, (2 if copy else 1) * first.state_bytes
+        )
+        sizes = [sizing.size_at(first, held, n) for n in padded]
+        estimate = first
+        if all(sizes):
+            multiple = sizing.multiple
+            batches = [
+                (max(multiple, min(size, count) // multiple * multiple), n)
+                for size, count, n in zip(sizes, counts, padded, strict=True)
+            ]
+            estimate = _measured(measured, source, first, batches, replicas)
+    # Never larger than before the measurements: one at a length may need
+    # less raising there than its neighbours' did before.
+    sizes = [
+        min(sizing.size_at(first, held, n), sizing.size_at(estimate, held, n))
+        for n in padded
+    ]
+    return estimate, held, sizes
+
+
 def _probe_lengths(padded, base) -> list:
     """The other lengths to probe than `base` (the median example's
     bucket's, the probes' data's): the shortest and longest buckets', and
@@ -482,7 +552,7 @@ def _probe_lengths(padded, base) -> list:
 _MEASURED_STEPS = 3
 
 
-def _measured(model, source, estimate, batches):
+def _measured(model, source, estimate, batches, replicas=1):
     """`estimate` with each `(batch_size, length)` of `batches` measured.
 
     One `model.fit` trains `_MEASURED_STEPS` steps of each, the examples
@@ -491,8 +561,10 @@ def _measured(model, source, estimate, batches):
     `length_measurements`, which raises the prediction where it held
     more (`MemoryEstimate.per_sample_bytes_at`). A batch that runs out
     counts as the whole limit, and the steps go on with the next. The
-    model is left as it was.
+    model is left as it was. `model` may be one of `replicas` devices'
+    copy (`_workers.local_copy`): it trains each global batch's share.
     """
+    batches = [(max(size // replicas, 1), length) for size, length in batches]
     devices = [estimate.device]
     probe = estimate_lib.Probe(
         model, source, devices, limits={estimate.device: estimate.limit_bytes}
@@ -517,7 +589,7 @@ def _measured(model, source, estimate, batches):
                 strict=False,
             ):
                 highest = max(steps[start : start + _MEASURED_STEPS])
-                triples.append((size, length, highest))
+                triples.append((size * replicas, length, highest))
             if error is not None:
                 # Its frames (and its context's) hold the failed step's
                 # tensors.
@@ -525,7 +597,7 @@ def _measured(model, source, estimate, batches):
                     error.__traceback__ = None
                     error = error.__cause__ or error.__context__
                 size, length = batches[len(triples)]
-                triples.append((size, length, estimate.limit_bytes))
+                triples.append((size * replicas, length, estimate.limit_bytes))
             elif len(triples) < len(batches):
                 raise MemoryEstimateError(
                     "Could not measure the buckets' batches: "
@@ -582,15 +654,18 @@ def _check_every_input_varies(dataset) -> None:
         )
 
 
-def _raise_too_long(lengths, estimate, size_at, multiple, headroom):
+def _raise_too_long(lengths, estimate, held, sizing):
     longest = int(lengths.max())
-    fits = 0
-    if size_at(1) >= multiple:
-        fits = estimate_lib.largest_fitting(lambda n: size_at(n) >= multiple, 1)
+    multiple, headroom = sizing.multiple, sizing.headroom
+
+    def fits(length):
+        return sizing.size_at(estimate, held, length) >= multiple
+
+    fits_alone = estimate_lib.largest_fitting(fits, 1) if fits(1) else 0
     raise ValueError(
         f"`dataset` holds an example of length {longest}, longer than any "
         f"predicted to fit in a batch of {multiple} with "
         f"{100 * headroom:.0f}% of the {mib(estimate.limit_bytes)} of "
-        f"{estimate.device} free: the longest that fits is {fits}. Cut or "
-        "leave out the longest examples (`dataset.filter`)."
+        f"{estimate.device} free: the longest that fits is {fits_alone}. "
+        "Cut or leave out the longest examples (`dataset.filter`)."
     )

@@ -144,18 +144,30 @@ def round_up(length: int) -> int:
 
 
 def default_boundaries(lengths) -> list[int]:
-    """Padded lengths of 8k, each at least 1.5 times the last, plus one."""
+    """Padded lengths of 8k, each at least 1.5 times the last, plus one;
+    only those of buckets that hold an example."""
+    candidates = candidate_boundaries(lengths)
+    counts = bucket_counts(candidates, lengths)
+    return [b for b, c in zip(candidates, counts, strict=True) if c]
+
+
+def candidate_boundaries(lengths) -> list[int]:
+    """Every default boundary from the shortest to the longest of
+    `lengths`, empty buckets included."""
     longest = round_up(max(int(lengths.max()), 1))
     padded = [min(round_up(max(int(lengths.min()), 1)), longest)]
     while padded[-1] < longest:
         grown = round_up(math.ceil(padded[-1] * BUCKET_RATIO))
         padded.append(min(grown, longest))
-    boundaries = np.asarray(padded) + 1
-    counts = np.bincount(
+    return [length + 1 for length in padded]
+
+
+def bucket_counts(boundaries, lengths) -> np.ndarray:
+    """How many of `lengths` each bucket holds (none past the last)."""
+    return np.bincount(
         np.searchsorted(boundaries, lengths, side="right"),
         minlength=len(boundaries),
-    )
-    return [int(b) for b, c in zip(boundaries, counts, strict=False) if c]
+    )[: len(boundaries)]
 
 
 def checked_boundaries(bucket_boundaries, lengths) -> list[int]:

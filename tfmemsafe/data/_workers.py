@@ -1,0 +1,191 @@
+"""How the workers of a multi-worker job agree on one plan of buckets.
+
+Under `MultiWorkerMirroredStrategy` every step sums the gradients of all
+workers, so every worker must take the same steps: its batches are its
+share of the same global batches. `memory_buckets` therefore plans from
+figures every worker shares, exchanged with the strategy's own
+all-reduce (`Strategy.reduce`, eagerly):
+
+- the lengths: the shortest and the longest example of any worker set the
+  default boundaries, and a bucket is kept where any worker has an
+  example;
+- the memory: each worker measures its own device, on a copy of the model
+  outside the strategy, and each bucket takes the smallest batch any
+  worker predicts to fit. A probe of the model itself would run the job's
+  collectives, and workers whose probes differed (each reads its own
+  free memory) would wait for each other for ever.
+
+A worker that fails while planning says so in the next exchange, so that
+every worker raises instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmemsafe.data import _lengths
+
+# A worker's figures when its planning raised.
+_FAILED = -1.0
+
+
+def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
+    """Every replica's `figures`, one row each, on every worker.
+
+    Args:
+        strategy: The `MultiWorkerMirroredStrategy`.
+        figures: A 1-D sequence of numbers, of the same length on every
+            worker (exact up to 2**53).
+        failed: bool. This worker's planning raised: its row is sent as
+            `_FAILED` so that the others raise too.
+
+    Returns:
+        An array of `num_replicas_in_sync` rows; the replicas of one
+        worker hold the same row.
+
+    Raises:
+        RuntimeError: If another worker's planning failed.
+    """
+    figures = np.asarray(figures, np.float64).reshape(-1)
+    if failed:
+        figures = np.full(figures.shape, _FAILED)
+    replicas = strategy.num_replicas_in_sync
+
+    def rows(context):
+        table = np.zeros((replicas, figures.size), np.float64)
+        table[context.replica_id_in_sync_group] = figures
+        return tf.constant(table)
+
+    table = strategy.reduce(
+        tf.distribute.ReduceOp.SUM,
+        strategy.experimental_distribute_values_from_function(rows),
+        axis=None,
+    ).numpy()
+    if not failed and (table == _FAILED).all(axis=1).any():
+        raise RuntimeError(
+            "`memory_buckets` stopped: another worker of the job could not "
+            "plan the buckets (its error is in its own log)."
+        )
+    return table
+
+
+def exchanged(strategy, plan, width: int):
+    """`plan()`'s figures from every worker, or this worker's error.
+
+    `plan` returns `width` numbers. If it raises, the other workers learn
+    it from the exchange, and its error is raised here after it.
+    """
+    try:
+        figures = plan()
+    except Exception:
+        gathered(strategy, np.zeros(width), failed=True)
+        raise
+    return gathered(strategy, figures)
+
+
+def agreed_buckets(strategy, lengths, bucket_boundaries):
+    """The boundaries and counts every worker plans with.
+
+    Args:
+        strategy: The `MultiWorkerMirroredStrategy`.
+        lengths: This worker's example lengths, or a callable returning
+            them (it may raise; every worker then raises).
+        bucket_boundaries: The user's, unchecked, or `None`.
+
+    Returns:
+        `(boundaries, counts, lengths)`: the boundaries of the buckets any
+        worker has examples in, each bucket's largest count on a worker,
+        and this worker's lengths.
+    """
+    mine = {}
+
+    def extremes():
+        mine["lengths"] = lengths() if callable(lengths) else lengths
+        return [-mine["lengths"].min(), mine["lengths"].max()]
+
+    table = exchanged(strategy, extremes, 2).max(axis=0)
+    extreme = np.array([-table[0], table[1]], np.int64)
+    if bucket_boundaries is None:
+        candidates = _lengths.candidate_boundaries(extreme)
+    else:
+        candidates = _lengths.checked_boundaries(bucket_boundaries, extreme)
+
+    def counts():
+        return _lengths.bucket_counts(candidates, mine["lengths"])
+
+    most = exchanged(strategy, counts, len(candidates)).max(axis=0)
+    kept = [(b, int(c)) for b, c in zip(candidates, most, strict=True) if c]
+    return [b for b, _ in kept], [c for _, c in kept], mine["lengths"]
+
+
+def agreed_sizes(strategy, sizes, width: int) -> list[int]:
+    """Each of `width` buckets' smallest batch size over the workers.
+
+    `sizes()` returns this worker's; if it raises, every worker raises.
+    """
+    return [int(s) for s in exchanged(strategy, sizes, width).min(axis=0)]
+
+
+@contextlib.contextmanager
+def local_copy(model: keras.Model):
+    """A copy of `model` outside every strategy, compiled as it is.
+
+    Built from the model's config (`keras.models.clone_model`) with fresh
+    weights: the memory of a step does not depend on their values. It is
+    deleted on exit, so that its memory is free again before the plan
+    reads what else is in use.
+    """
+    if tf.distribute.has_strategy():
+        raise ValueError(
+            "`memory_buckets` must be called outside `strategy.scope()` "
+            "for a multi-worker job: it measures a copy of the model "
+            "outside the strategy. Received a call inside the scope of "
+            f"{type(tf.distribute.get_strategy()).__name__}."
+        )
+    config = model.get_compile_config()
+    try:
+        copy = keras.models.clone_model(model)
+        if config is None:
+            raise ValueError("the model was not compiled from a config")
+        copy.compile_from_config(config)
+    except Exception as err:
+        raise ValueError(
+            "`memory_buckets` measures a multi-worker job's memory on a "
+            "copy of the model outside the strategy, and could not copy "
+            f"this one: {err}. Give its layers a complete `get_config`, "
+            "or pass an `estimate` made on one worker's device."
+        ) from err
+    try:
+        yield copy
+    finally:
+        del copy
+        gc.collect()
+
+
+def global_estimate(estimate, replicas: int):
+    """A one-device estimate as one of `replicas` devices' in a job.
+
+    Each replica trains `1 / replicas` of a global batch, so the
+    per-sample figures divide and the measured batch sizes multiply
+    (a `MemoryEstimate`'s batch sizes are global).
+    """
+    if replicas == 1:
+        return estimate
+    return dataclasses.replace(
+        estimate,
+        per_sample_bytes=estimate.per_sample_bytes / replicas,
+        largest_tensor_bytes=estimate.largest_tensor_bytes / replicas,
+        measurements=tuple(
+            (size * replicas, peak) for size, peak in estimate.measurements
+        ),
+        length_measurements=tuple(
+            (size * replicas, length, peak)
+            for size, length, peak in estimate.length_measurements
+        ),
+    )
