@@ -16,6 +16,7 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import distribute
 from tfmemsafe import testing
+from tfmemsafe.recovery import _backup
 
 _GLOBAL_BATCH = 8
 _SAMPLES = 72  # 9 global batches: windows of 2 leave one to flush.
@@ -234,6 +235,33 @@ class HelpersTest(tf.test.TestCase):
             testing.run_workers(_data, 0)
         with self.assertRaisesRegex(ValueError, r"`worker_env` must have"):
             testing.run_workers(_data, 2, worker_env=[{}])
+
+
+class StoredDecisionTest(tf.test.TestCase):
+    """The size a stopped job stores with its backup, read on restart."""
+
+    def _decisions(self, planned):
+        import keras
+
+        backup = keras.callbacks.BackupAndRestore(self.get_temp_dir())
+        return _backup.Decisions([backup], planned=planned)
+
+    def test_a_memory_plan_applies_in_proportion_to_the_new_plan(self):
+        # Stopped at 146 (the first bucket's batch), halved to 73; the
+        # restart planned 150 for the first bucket.
+        self._decisions(planned=True).store(146, [146, 73], 4)
+        tried, steps, _ = self._decisions(planned=True).load(150)
+        self.assertEqual((tried, steps), ([150, 75], 4))
+
+    def test_another_batch_size_or_kind_of_run_ignores_the_stored_one(self):
+        self._decisions(planned=False).store(256, [256, 128], None)
+        with self.assertLogs(level="WARNING") as logs:
+            self.assertIsNone(self._decisions(planned=False).load(512))
+            self.assertIsNone(self._decisions(planned=True).load(256))
+        self.assertIn("decided for batch_size=256", logs.output[0])
+        self.assertIn("this run asks for auto", logs.output[1])
+        tried, _, _ = self._decisions(planned=False).load(256)
+        self.assertEqual(tried, [256, 128])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ accumulation steps) next to the `BackupAndRestore` backup. Restarting the
 same command on every worker then resumes from the backup at the smaller
 size, with no flag changed. `BackupAndRestore` deletes the file with its
 backup at the end of training.
+
+A job whose batch sizes are a memory plan (`batch_size="auto"` on
+examples of varying length) plans its buckets again when restarted, and
+the new plan's first size may differ from the old one's by a few
+samples: its decision is stored as `"auto"`, and applies to the new plan
+in proportion (half the first bucket's batch stays half).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from tfmemsafe import distribute
 from tfmemsafe.errors import OutOfMemoryError
 
 _FILE = "tfmemsafe_batch_size.json"
+# What a memory plan's decision was asked for.
+_AUTO = "auto"
 
 
 class Decisions:
@@ -30,14 +38,18 @@ class Decisions:
     Attributes:
         directories: list of str. The `backup_dir` of every
             `keras.callbacks.BackupAndRestore` among the callbacks.
+        planned: bool. Whether the training sizes are a memory plan's,
+            made again on a restart (`batch_size="auto"` on examples of
+            varying length).
     """
 
-    def __init__(self, callbacks):
+    def __init__(self, callbacks, *, planned: bool = False):
         self.directories = [
             c.backup_dir
             for c in callbacks
             if isinstance(c, keras.callbacks.BackupAndRestore)
         ]
+        self.planned = planned
 
     def store(self, requested: int, tried, accumulation_steps) -> None:
         """Writes the training sizes tried and the accumulation steps to go
@@ -47,7 +59,7 @@ class Decisions:
         whichever worker learnt of the error.
         """
         decision = {
-            "requested_batch_size": requested,
+            "requested_batch_size": _AUTO if self.planned else requested,
             "tried": list(tried),
             "accumulation_steps": accumulation_steps,
         }
@@ -98,7 +110,9 @@ class Decisions:
         return stop, decision
 
     def load(self, requested: int):
-        """The sizes a stopped job stored, if it asked for `requested`.
+        """The sizes a stopped job stored, if it asked for `requested`
+        (a memory plan's: for any first size, in proportion to
+        `requested`, the new plan's).
 
         Returns:
             `(tried, accumulation_steps, path)`, or `None`.
@@ -109,14 +123,24 @@ class Decisions:
                 continue
             with open(path) as f:
                 decision = json.load(f)
-            if decision["requested_batch_size"] != requested:
+            stored = decision["requested_batch_size"]
+            asked = _AUTO if self.planned else requested
+            if stored != asked:
                 logging.warning(
                     "tfmemsafe.fit: ignoring the batch size stored in %s, "
-                    "decided for batch_size=%d: this run asks for %d.",
+                    "decided for batch_size=%s: this run asks for %s.",
                     path,
-                    decision["requested_batch_size"],
-                    requested,
+                    stored,
+                    asked,
                 )
                 return None
-            return decision["tried"], decision["accumulation_steps"], path
+            tried = decision["tried"]
+            if self.planned:
+                # The new plan's first size, and the stored ones in
+                # proportion to it.
+                tried = [requested] + [
+                    max(1, round(size * requested / tried[0]))
+                    for size in tried[1:]
+                ]
+            return tried, decision["accumulation_steps"], path
         return None

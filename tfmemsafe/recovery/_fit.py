@@ -296,7 +296,9 @@ def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
         if source is not None:
             source.sample_signature()
     history = fit_history_of(callbacks)
-    backup = _backup.Decisions(callbacks)
+    backup = _backup.Decisions(
+        callbacks, planned=isinstance(train_source, BucketedExamples)
+    )
     stored = backup.load(policy.requested(TRAINING))
     if stored is not None:
         tried, steps, path = stored
