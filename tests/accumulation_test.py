@@ -502,6 +502,141 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
             accumulator.apply_if_ready(keras.optimizers.SGD())
 
 
+def _batches(sizes, seed=1):
+    """Unshuffled batches of the given sizes, as a dataset."""
+    x, y = _data(samples=sum(sizes), seed=seed)
+    bounds = np.cumsum([0, *sizes])
+    parts = [
+        (x[a:b], y[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return tf.data.Dataset.from_generator(
+        lambda: iter(parts),
+        output_signature=(
+            tf.TensorSpec((None, 6), tf.float32),
+            tf.TensorSpec((None, 3), tf.float32),
+        ),
+    )
+
+
+class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):
+    """Windows that close at a number of samples or tokens (issue #23)."""
+
+    def _models(self, **kwargs):
+        reference = _functional()
+        reference.compile(_optimizer("adam"), "mse")
+        model = _functional(AccumulatingModel, seed=1, **kwargs)
+        model.compile(_optimizer("adam"), "mse")
+        model.set_weights(reference.get_weights())
+        return reference, model
+
+    def test_batches_of_varying_size_make_updates_of_the_samples_asked(self):
+        # Windows close at 24 samples or more: 4+12+8, 8+20, 4+16+10, and
+        # the epoch's last 8+10 flushed.
+        sizes = [4, 12, 8, 8, 20, 4, 16, 10, 8, 10]
+        reference, model = self._models(samples_per_update=24)
+        iterations = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs=None: iterations.append(
+                _iterations(model)
+            )
+        )
+        model.fit(_batches(sizes), epochs=1, verbose=0, callbacks=[record])
+        self.assertEqual(iterations, [0, 0, 1, 1, 2, 2, 2, 3, 3, 3])
+        self.assertEqual(_iterations(model), 4)  # The last, at epoch end.
+        # The same as plain Keras trained on each window as one batch.
+        reference.fit(_batches([24, 28, 30, 18]), epochs=1, verbose=0)
+        self.assertLess(_max_difference(reference, model), 1e-5)
+        self.assertEqual(model.accumulation_steps, 1)
+        self.assertEqual(model.gradient_accumulator.update_size, 24)
+
+    def test_equal_batches_match_accumulation_steps(self):
+        _, by_steps = self._models(accumulation_steps=4)
+        _, by_samples = self._models(samples_per_update=32)
+        x, y = _data()
+        for model in (by_steps, by_samples):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        self.assertEqual(_iterations(by_samples), 8)
+        self.assertLess(_max_difference(by_steps, by_samples), 1e-6)
+
+    def test_tokens_per_update_counts_padded_tokens(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((None, 6))
+        pooled = keras.layers.GlobalAveragePooling1D()(inputs)
+        model = AccumulatingModel(
+            inputs, keras.layers.Dense(3)(pooled), tokens_per_update=80
+        )
+        model.compile("sgd", "mse")
+        # (samples, length): 40 + 40 tokens, then 60 + 30, then 100.
+        shapes = [(4, 10), (2, 20), (3, 20), (1, 30), (10, 10)]
+        rng = np.random.default_rng(0)
+        parts = [
+            (rng.normal(size=(b, n, 6)).astype("float32"), np.zeros((b, 3)))
+            for b, n in shapes
+        ]
+        data = tf.data.Dataset.from_generator(
+            lambda: iter(parts),
+            output_signature=(
+                tf.TensorSpec((None, None, 6), tf.float32),
+                tf.TensorSpec((None, 3), tf.float64),
+            ),
+        )
+        iterations = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs=None: iterations.append(
+                _iterations(model)
+            )
+        )
+        model.fit(data, epochs=1, verbose=0, callbacks=[record])
+        self.assertEqual(iterations, [0, 1, 1, 2, 3])
+        self.assertEqual(model.tokens_per_update, 80)
+        self.assertIsNone(model.samples_per_update)
+
+    def test_tokens_per_update_needs_a_length_axis(self):
+        inputs = keras.Input(())  # One number a sample: no axis 1.
+        outputs = keras.layers.Dense(3)(keras.layers.Reshape((1,))(inputs))
+        model = AccumulatingModel(inputs, outputs, tokens_per_update=80)
+        model.compile("sgd", "mse")
+        x, y = np.zeros(16, "float32"), np.zeros((16, 3), "float32")
+        with self.assertRaisesRegex(
+            ValueError, r"`tokens_per_update` counts a micro-batch's samples"
+        ):
+            model.fit(x, y, batch_size=8, verbose=0)
+
+    def test_one_way_of_closing_a_window_is_asked_for(self):
+        with self.assertRaisesRegex(
+            ValueError, r"Give `samples_per_update` or `tokens_per_update`"
+        ):
+            _functional(
+                AccumulatingModel, samples_per_update=8, tokens_per_update=80
+            )
+        with self.assertRaisesRegex(
+            ValueError, r"or at `samples_per_update`, not both"
+        ):
+            _functional(
+                AccumulatingModel, accumulation_steps=2, samples_per_update=8
+            )
+        with self.assertRaisesRegex(
+            ValueError, r"`tokens_per_update` must be an integer >= 1"
+        ):
+            _functional(AccumulatingModel, tokens_per_update=0)
+        model = _functional(AccumulatingModel, samples_per_update=8)
+        with self.assertRaisesRegex(ValueError, r"not both"):
+            model.accumulation_steps = 2
+        with self.assertRaisesRegex(ValueError, r"`update_size` must be"):
+            GradientAccumulator(1, update_size=-3)
+
+    def test_keras_file_round_trip_keeps_the_update_size(self):
+        _, model = self._models(samples_per_update=24)
+        model(np.zeros((1, 6)))
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        self.assertEqual(loaded.samples_per_update, 24)
+        loaded.compile("sgd", "mse")
+        loaded.fit(_batches([8, 8, 8, 8]), epochs=1, verbose=0)
+        self.assertEqual(_iterations(loaded), 2)
+
+
 def _log_keys_seen_by_a_callback_listed_before_the_monitor():
     """Child: the epoch log keys of the first callback in `callbacks`."""
     seen = []
@@ -583,6 +718,18 @@ class MixedPrecisionTest(tf.test.TestCase):
         self.assertEqual(results["difference"], 0.0)
 
 
+def _pair_under(strategy, **kwargs):
+    """A plain model, and an `AccumulatingModel` under `strategy` made
+    with `kwargs`, with the same weights."""
+    reference = _functional()
+    reference.compile("adam", "mse")
+    with strategy.scope():
+        model = _functional(AccumulatingModel, **kwargs)
+        model.compile("adam", "mse")
+    model.set_weights(reference.get_weights())
+    return reference, model
+
+
 def _distributed_results():
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
@@ -591,12 +738,7 @@ def _distributed_results():
     # One strategy for all: each has its own collective keys, and two
     # strategies' collectives can collide in the runtime.
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
-    reference = _functional()
-    reference.compile("adam", "mse")
-    with strategy.scope():
-        model = _functional(AccumulatingModel, accumulation_steps=4)
-        model.compile("adam", "mse")
-    model.set_weights(reference.get_weights())
+    reference, model = _pair_under(strategy, accumulation_steps=4)
     x, y = _data(seed=1)
     expected, history = _fit_both(reference, model, validation_data=(x, y))
     results = {
@@ -605,6 +747,15 @@ def _distributed_results():
             "iterations": _iterations(model),
             "val_loss": [expected["val_loss"], history["val_loss"]],
         }
+    }
+    # Windows closed at 32 samples, summed over both replicas' 4 + 4.
+    reference, model = _pair_under(strategy, samples_per_update=32)
+    fit = dict(epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, **fit)
+    model.fit(x, y, batch_size=8, **fit)
+    results["samples_per_update"] = {
+        "difference": _max_difference(reference, model),
+        "iterations": _iterations(model),
     }
     results["two_networks"] = [
         _train_two_networks(steps=1, micro_batch=32),
@@ -656,6 +807,11 @@ class MirroredStrategyTest(tf.test.TestCase):
         self.assertEqual(results["iterations"], 8)
         expected, val_loss = results["val_loss"]
         self.assertAllClose(val_loss, expected, atol=1e-5)
+
+    def test_windows_closed_by_samples_count_every_replicas(self):
+        results = self.results["samples_per_update"]
+        self.assertLess(results["difference"], 1e-5)
+        self.assertEqual(results["iterations"], 8)
 
     def test_accumulators_by_hand_match_large_batch(self):
         expected, weights = self.results["two_networks"]

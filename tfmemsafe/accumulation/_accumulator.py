@@ -23,11 +23,14 @@ class GradientAccumulator:
     Call `accumulate` once per micro-batch with the gradients you would
     pass to `optimizer.apply`, then `apply_if_ready`: after
     `accumulation_steps` micro-batches it applies one update and starts a
-    new window. Each micro-batch counts in proportion to `sample_count`,
-    so the update equals that of one batch made of the window's samples,
-    even when the last micro-batch is smaller. `flush` applies a partial
-    window (at the end of an epoch, say); `AccumulatingModel` calls it for
-    you.
+    new window. With `update_size` instead, a window closes at the first
+    micro-batch that brings its size (the `size` each `accumulate` adds:
+    its samples, its tokens) to `update_size` or more, for micro-batches
+    of varying size (length buckets, say). Each micro-batch counts in
+    proportion to `sample_count`, so the update equals that of one batch
+    made of the window's samples, even when the last micro-batch is
+    smaller. `flush` applies a partial window (at the end of an epoch,
+    say); `AccumulatingModel` calls it for you.
 
     The accumulators are variables next to each model variable, local to
     each replica under `tf.distribute`: gradients are reduced across
@@ -43,6 +46,10 @@ class GradientAccumulator:
     Args:
         accumulation_steps: int. The micro-batches per window (N).
         name: str. A prefix for the accumulator variables' names.
+        update_size: int or `None`. Close each window by size instead:
+            once its micro-batches' `size` adds up to this or more (under
+            `tf.distribute`, summed over the replicas).
+            `accumulation_steps` must then be 1. Defaults to `None`.
 
     Example:
 
@@ -81,10 +88,20 @@ class GradientAccumulator:
     ```
     """
 
-    def __init__(self, accumulation_steps: int, name: str = "accumulator"):
+    def __init__(
+        self,
+        accumulation_steps: int,
+        name: str = "accumulator",
+        *,
+        update_size: int | None = None,
+    ):
         self._accumulation_steps = _checks.integer(
             "accumulation_steps", accumulation_steps
         )
+        if update_size is not None:
+            update_size = _checks.integer("update_size", update_size)
+            _check_one_way(self._accumulation_steps, update_size)
+        self.update_size = update_size
         self.name = name
         self.built = False
         self._window = None  # The `Window` for the built variables.
@@ -103,7 +120,9 @@ class GradientAccumulator:
 
     @accumulation_steps.setter
     def accumulation_steps(self, value):
-        self._accumulation_steps = _checks.integer("accumulation_steps", value)
+        value = _checks.integer("accumulation_steps", value)
+        _check_one_way(value, self.update_size)
+        self._accumulation_steps = value
 
     @property
     def pending_micro_batches(self) -> tf.Tensor:
@@ -122,8 +141,9 @@ class GradientAccumulator:
     def state_variables(self) -> list:
         """The variables a training step changes, to save and put back.
 
-        The current window's gradient sums, sample total and micro-batch
-        count, and the `skipped_windows` counter; none before `build`.
+        The current window's gradient sums, sample total, size and
+        micro-batch count, and the `skipped_windows` counter; none before
+        `build`.
         """
         if not self.built:
             return []
@@ -131,6 +151,7 @@ class GradientAccumulator:
         return [
             *window.accumulators,
             window.sample_total,
+            window.size,
             window.micro_batches,
             self._skipped_windows,
         ]
@@ -166,7 +187,11 @@ class GradientAccumulator:
                 )
 
     def accumulate(
-        self, gradients, trainable_variables=None, sample_count=None
+        self,
+        gradients,
+        trainable_variables=None,
+        sample_count=None,
+        size=None,
     ) -> None:
         """Adds one micro-batch's gradients to the window.
 
@@ -183,6 +208,9 @@ class GradientAccumulator:
                 batch, the Keras default) or its sample-weight sum (for
                 `reduction="mean_with_sample_weight"`). Defaults to 1, so
                 every micro-batch counts the same.
+            size: Scalar. What the micro-batch adds to the window's size,
+                which `update_size` is compared with (its samples, or its
+                tokens). Defaults to `sample_count`.
         """
         if trainable_variables is not None:
             self.build(trainable_variables)
@@ -200,7 +228,8 @@ class GradientAccumulator:
                 f"{len(gradients)} gradients."
             )
         weight = 1.0 if sample_count is None else sample_count
-        self._window.add(gradients, tf.cast(weight, tf.float32))
+        size = weight if size is None else size
+        self._window.add(gradients, tf.cast(weight, tf.float32), size)
 
     def apply_if_ready(self, optimizer) -> tf.Tensor:
         """Applies the window's mean gradient if the window is full.
@@ -213,6 +242,13 @@ class GradientAccumulator:
             the window is not full yet, or was skipped for overflow).
         """
         self._check_built("apply_if_ready")
+        if self.update_size is not None:
+            # Decided from the size of the whole window, every replica's.
+            return self._apply_window(
+                tf.convert_to_tensor(self._window.size),
+                optimizer,
+                by_size=True,
+            )
         ready = tf.greater_equal(
             tf.convert_to_tensor(self._window.micro_batches),
             tf.constant(self.accumulation_steps, tf.int64),
@@ -249,8 +285,10 @@ class GradientAccumulator:
                 f"before `{method}`."
             )
 
-    def _apply_window(self, ready, optimizer):
-        """Applies the window when `ready`, from a replica context."""
+    def _apply_window(self, ready, optimizer, by_size=False):
+        """Applies the window when `ready` (or, `by_size`, when the
+        replicas' sizes in `ready` add up to `update_size`), from a replica
+        context."""
         if optimizer is None:
             optimizer = self._optimizer
         if optimizer is None:
@@ -274,17 +312,26 @@ class GradientAccumulator:
         # `tf.cond` in a replica context; in a cross-replica context it
         # may (as `LossScaleOptimizer._tf_apply` does).
         return context.merge_call(
-            functools.partial(self._cross_replica_window, optimizer=optimizer),
+            functools.partial(
+                self._cross_replica_window,
+                optimizer=optimizer,
+                by_size=by_size,
+            ),
             args=(ready,),
         )
 
-    def _cross_replica_window(self, strategy, ready, optimizer):
+    def _cross_replica_window(self, strategy, ready, optimizer, by_size):
         """All cross-replica work of a window, if `ready`.
 
         Every replica counts the same micro-batches, so `ready` is taken
-        from the first.
+        from the first. For a window closed by size, `ready` is each
+        replica's size, summed here.
         """
-        ready = strategy.experimental_local_results(ready)[0]
+        if by_size:
+            size = strategy.reduce(tf.distribute.ReduceOp.SUM, ready, axis=None)
+            ready = tf.greater_equal(size, float(self.update_size))
+        else:
+            ready = strategy.experimental_local_results(ready)[0]
         return tf.cond(
             ready,
             functools.partial(
@@ -316,6 +363,18 @@ def _create_in_strategy_scope(create) -> None:
         create_eagerly()
     else:
         context.merge_call(create_eagerly)
+
+
+def _check_one_way(accumulation_steps: int, update_size) -> None:
+    """A window closes after a number of micro-batches or by size."""
+    if update_size is not None and accumulation_steps != 1:
+        raise ValueError(
+            "A window closes either after `accumulation_steps` "
+            "micro-batches or at `update_size`, not both: "
+            "`accumulation_steps` must be 1 with `update_size`. Received: "
+            f"accumulation_steps={accumulation_steps}, "
+            f"update_size={update_size}"
+        )
 
 
 def _same_variables(a, b) -> bool:

@@ -58,9 +58,24 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
     docs/multi-worker.md); there the gradients are reduced across all
     workers once per window.
 
+    For batches of varying size (`tfmemsafe.data.bucket_by_memory`'s
+    length buckets), give the update's size instead: with
+    `samples_per_update=n` a window closes at the first micro-batch that
+    brings it to `n` samples or more; with `tokens_per_update=n`, to `n`
+    padded tokens (a micro-batch of `b` samples of length `l`, the first
+    input's axis 1, counts `b * l`, as fairseq's `--max-tokens` counts
+    them). Either way the update is the sample-weighted mean of the
+    window, and an out-of-memory error that halves the batch under
+    `tfmemsafe.fit` changes nothing else: the window still closes at the
+    same size.
+
     Args:
         accumulation_steps: int. Micro-batches per optimizer update.
             Defaults to 1. Can be changed between `fit` calls.
+        samples_per_update: int or `None`. Close each window at this many
+            samples or more instead. Defaults to `None`.
+        tokens_per_update: int or `None`. Close each window at this many
+            padded tokens or more instead. Defaults to `None`.
         *args, **kwargs: As for `keras.Model`.
 
     Example:
@@ -80,10 +95,22 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
             cls = _functional.functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, accumulation_steps: int = 1, **kwargs):
+    def __init__(
+        self,
+        *args,
+        accumulation_steps: int = 1,
+        samples_per_update: int | None = None,
+        tokens_per_update: int | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
+        self._update_unit, update_size = _update_size(
+            accumulation_steps, samples_per_update, tokens_per_update
+        )
         self._accumulator = GradientAccumulator(
-            accumulation_steps, name="gradient_accumulator"
+            accumulation_steps,
+            name="gradient_accumulator",
+            update_size=update_size,
         )
         self._flush_function = None
 
@@ -105,6 +132,20 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
         self._flush_function = None
 
     @property
+    def samples_per_update(self) -> int | None:
+        """The samples that close a window, or `None`."""
+        if self._update_unit != "samples":
+            return None
+        return self._accumulator.update_size
+
+    @property
+    def tokens_per_update(self) -> int | None:
+        """The padded tokens that close a window, or `None`."""
+        if self._update_unit != "tokens":
+            return None
+        return self._accumulator.update_size
+
+    @property
     def gradient_accumulator(self) -> GradientAccumulator:
         """The `GradientAccumulator` that the default `train_step` uses."""
         return self._accumulator
@@ -115,7 +156,9 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
         return sum(int(a.skipped_windows) for a in self._accumulators())
 
     def train_step(self, data):
-        if self.accumulation_steps == 1 or not self.trainable_weights:
+        if not self.trainable_weights or (
+            self.accumulation_steps == 1 and self._update_unit is None
+        ):
             return super().train_step(data)
         # Keras' own TensorFlow `train_step`, with `optimizer.apply`
         # replaced by accumulate-and-apply-when-full.
@@ -140,7 +183,10 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
         variables = self.trainable_weights
         gradients = tape.gradient(loss, variables)
         self._accumulator.accumulate(
-            gradients, variables, self._sample_count(batch_size, sample_weight)
+            gradients,
+            variables,
+            self._sample_count(batch_size, sample_weight),
+            size=self._size(x, batch_size),
         )
         self._accumulator.apply_if_ready(self.optimizer)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -167,6 +213,21 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
         ):
             return tf.reduce_sum(tf.cast(sample_weight, tf.float32))
         return batch_size
+
+    def _size(self, x, batch_size):
+        """What a micro-batch adds to its window's size: its samples, or
+        its padded tokens (`tokens_per_update`)."""
+        if self._update_unit != "tokens":
+            return batch_size
+        first = _first_tensor(x)
+        if first.shape.rank is None or first.shape.rank < 2:
+            raise ValueError(
+                "`tokens_per_update` counts a micro-batch's samples times "
+                "its length, the first input's axis 1, so that input needs "
+                "one. Received a first input of shape "
+                f"{first.shape}; use `samples_per_update` instead."
+            )
+        return batch_size * tf.shape(first)[1]
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -268,11 +329,42 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
     def get_config(self):
         config = super().get_config()
         init = inspect.signature(type(self).__init__).parameters
-        if "accumulation_steps" in init or any(
+        passes_on = any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()
-        ):
+        )
+        if "accumulation_steps" in init or passes_on:
             config["accumulation_steps"] = self.accumulation_steps
+        for name in ("samples_per_update", "tokens_per_update"):
+            value = getattr(self, name)
+            if value is not None and (name in init or passes_on):
+                config[name] = value
         return config
+
+
+def _update_size(accumulation_steps, samples_per_update, tokens_per_update):
+    """What closes a window besides its micro-batches: `(unit, size)`."""
+    if samples_per_update is not None and tokens_per_update is not None:
+        raise ValueError(
+            "Give `samples_per_update` or `tokens_per_update`, not both. "
+            f"Received: samples_per_update={samples_per_update}, "
+            f"tokens_per_update={tokens_per_update}"
+        )
+    budget = samples_per_update or tokens_per_update
+    if budget is not None and accumulation_steps != 1:
+        name = "samples" if samples_per_update is not None else "tokens"
+        raise ValueError(
+            f"A window closes after `accumulation_steps` micro-batches or "
+            f"at `{name}_per_update`, not both: leave `accumulation_steps` "
+            f"at 1. Received: accumulation_steps={accumulation_steps}, "
+            f"{name}_per_update={budget}"
+        )
+    if samples_per_update is not None:
+        return "samples", _checks.integer(
+            "samples_per_update", samples_per_update
+        )
+    if tokens_per_update is not None:
+        return "tokens", _checks.integer("tokens_per_update", tokens_per_update)
+    return None, None
 
 
 def _first_tensor(x):

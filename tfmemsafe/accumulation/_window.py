@@ -18,9 +18,11 @@ class Window:
     """One replica's running sums for the current window.
 
     One zeroed accumulator per variable (float32 for half-precision ones),
-    the window's sample total and its micro-batch count, all local to each
-    replica and reduced only when the window is applied; and which
-    variables have received a gradient, learned while tracing.
+    the window's sample total (what the mean divides by), its size (what
+    an update budget counts: samples or tokens) and its micro-batch count,
+    all local to each replica and reduced only when the window is applied
+    or its size is asked; and which variables have received a gradient,
+    learned while tracing.
 
     Args:
         variables: The variables whose gradients are accumulated, in the
@@ -52,6 +54,12 @@ class Window:
             name="sample_total",
             **local,
         )
+        self.size = tf.Variable(
+            0.0,
+            aggregation=tf.VariableAggregation.SUM,
+            name="size",
+            **local,
+        )
         self.micro_batches = tf.Variable(
             tf.constant(0, tf.int64),
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -59,8 +67,9 @@ class Window:
             **local,
         )
 
-    def add(self, gradients, weight) -> None:
-        """Adds one micro-batch's gradients, weighted by `weight`."""
+    def add(self, gradients, weight, size) -> None:
+        """Adds one micro-batch's gradients, weighted by `weight`, and its
+        `size` to the window's."""
         for index, (accumulator, gradient) in enumerate(
             zip(self.accumulators, gradients, strict=True)
         ):
@@ -82,12 +91,14 @@ class Window:
                     gradient * tf.cast(weight, accumulator.dtype)
                 )
         self.sample_total.assign_add(weight)
+        self.size.assign_add(tf.cast(size, tf.float32))
         self.micro_batches.assign_add(1)
 
     def reset(self) -> None:
         for variable in [
             *self.accumulators,
             self.sample_total,
+            self.size,
             self.micro_batches,
         ]:
             variable.assign(tf.zeros_like(variable))

@@ -22,6 +22,7 @@ class _WrappedModel(AccumulatingModel):
     """An `AccumulatingModel` that calls another model (sharing weights)."""
 
     def __init__(self, inner_model, accumulation_steps=1, **kwargs):
+        # `samples_per_update` or `tokens_per_update` pass on in `kwargs`.
         super().__init__(accumulation_steps=accumulation_steps, **kwargs)
         self.inner_model = inner_model
         if inner_model.built:
@@ -37,6 +38,11 @@ class _WrappedModel(AccumulatingModel):
                 self.inner_model
             ),
             "accumulation_steps": self.accumulation_steps,
+            **{
+                name: getattr(self, name)
+                for name in ("samples_per_update", "tokens_per_update")
+                if getattr(self, name) is not None
+            },
         }
 
     @classmethod
@@ -49,7 +55,11 @@ class _WrappedModel(AccumulatingModel):
 
 
 def with_gradient_accumulation(
-    model: keras.Model, accumulation_steps: int | None = None
+    model: keras.Model,
+    accumulation_steps: int | None = None,
+    *,
+    samples_per_update: int | None = None,
+    tokens_per_update: int | None = None,
 ) -> AccumulatingModel:
     """Returns `model` as an `AccumulatingModel` that shares its weights.
 
@@ -65,6 +75,11 @@ def with_gradient_accumulation(
             Defaults to the value an `AccumulatingModel` has, else to 1:
             it trains as before until the value is raised (as
             `tfmemsafe.fit` does when it halves the batch).
+        samples_per_update: int or `None`. Close each window at this many
+            samples or more instead (see `AccumulatingModel`). Defaults to
+            `None`.
+        tokens_per_update: int or `None`. Close each window at this many
+            padded tokens or more instead. Defaults to `None`.
 
     Returns:
         An `AccumulatingModel`.
@@ -79,7 +94,20 @@ def with_gradient_accumulation(
     ```
     """
     _checks.model(model)
+    by_size = {
+        name: value
+        for name, value in (
+            ("samples_per_update", samples_per_update),
+            ("tokens_per_update", tokens_per_update),
+        )
+        if value is not None
+    }
     if isinstance(model, AccumulatingModel):
+        if by_size:
+            raise ValueError(
+                "An `AccumulatingModel`'s update size is set when it is "
+                f"built. Received: {by_size} for one already built."
+            )
         if accumulation_steps is not None:
             model.accumulation_steps = accumulation_steps
         return model
@@ -94,10 +122,14 @@ def with_gradient_accumulation(
             model.output,
             name=model.name,
             accumulation_steps=accumulation_steps,
+            **by_size,
         )
     else:
         result = _WrappedModel(
-            model, accumulation_steps=accumulation_steps, name=model.name
+            model,
+            accumulation_steps=accumulation_steps,
+            name=model.name,
+            **by_size,
         )
     compile_config = getattr(model, "_compile_config", None)
     if model.compiled and compile_config is not None:
