@@ -593,6 +593,19 @@ class MemoryBucketsTest(tf.test.TestCase):
         self.assertLessEqual(max(buckets.bucket_batch_sizes), 100)
         self.assertEqual(buckets.bucket_batch_sizes[0], 100)
 
+    def test_no_batch_holds_more_than_max_tokens(self):
+        free = self._buckets()
+        capped = self._buckets(max_tokens=4000)
+        for size, length, was in zip(
+            capped.bucket_batch_sizes,
+            capped.lengths,
+            free.bucket_batch_sizes,
+            strict=False,
+        ):
+            self.assertLessEqual(size * length, 4000)
+            # As many as the tokens allow, or as memory does.
+            self.assertEqual(size, min(was, 4000 // length))
+
     def test_bucket_by_memory_batches_every_example_once(self):
         batched = tfmemsafe.data.bucket_by_memory(
             self.data, self.model, estimate=_estimate(), max_batch_size=16
@@ -723,6 +736,15 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         flat = _estimate(length=None, length_coefficients=())
         with self.assertRaisesRegex(ValueError, "made with `lengths`"):
             self._plan(estimate=flat)
+
+    def test_max_tokens_too_few_for_the_longest_bucket_is_refused(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"`max_tokens` must hold a batch of 1 \(`multiple`\) of the "
+            r"longest bucket's examples, padded to 104: at least 104\. "
+            r"Received: max_tokens=100",
+        ):
+            self._plan(max_tokens=100)
 
     def test_max_batch_size_below_the_multiple_is_refused(self):
         with self.assertRaisesRegex(ValueError, "`max_batch_size` must be"):

@@ -75,12 +75,14 @@ class CountingModel(keras.Model):
         return self.head(self.hidden(features))
 
 
-def _counting(accumulation_steps=None, rows=_ROWS):
+def _counting(accumulation_steps=None, rows=_ROWS, **by_size):
     model = CountingModel(rows)
     (x, ids), _ = _models.table(rows, ids=True)
     model((x[:1], ids[:1]))  # Built, so wrapping it keeps its variables.
-    if accumulation_steps is not None:
-        model = tfmemsafe.with_gradient_accumulation(model, accumulation_steps)
+    if accumulation_steps is not None or by_size:
+        model = tfmemsafe.with_gradient_accumulation(
+            model, accumulation_steps, **by_size
+        )
     model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
     return model
 
@@ -306,13 +308,18 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
                 rtol=1e-5,
             )
 
-    def test_accumulating_model_resumes_mid_window_with_the_same_updates(
-        self,
-    ):
+    @parameterized.named_parameters(
         # Windows of 2 batches of 32; the error at step 3 splits a window
         # whose first half already ran: it ends with 2 batches of 16.
+        ("accumulation_steps", {"accumulation_steps": 2}, 4),
+        # Windows of 64 samples: a halved batch changes nothing else.
+        ("samples_per_update", {"samples_per_update": 64}, None),
+    )
+    def test_accumulating_model_resumes_mid_window_with_the_same_updates(
+        self, accumulation, steps_after
+    ):
         inputs, y = _models.table(ids=True)
-        model = _counting(accumulation_steps=2)
+        model = _counting(**accumulation)
         history = _fit(
             model,
             (inputs, y),
@@ -322,8 +329,11 @@ class ResumeTest(parameterized.TestCase, tf.test.TestCase):
             callbacks=[testing.SimulatedOutOfMemory(("train", 0, 3))],
             verbose=0,
         )
-        self.assertEqual(history.oom_events[0].resumed_at_step, 3)
-        self.assertEqual(model.accumulation_steps, 4)
+        (event,) = history.oom_events
+        self.assertEqual(event.resumed_at_step, 3)
+        self.assertEqual(event.batch_size_after, 16)
+        self.assertEqual(event.accumulation_steps, steps_after)
+        self.assertEqual(model.accumulation_steps, steps_after or 1)
         reference = _counting(accumulation_steps=2)
         reference.fit(
             *_models.table(ids=True),

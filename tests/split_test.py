@@ -44,7 +44,9 @@ class OwnStep(keras.Sequential):
         return super().train_step(data)
 
 
-def _model(accumulation_steps=None, kind=keras.Sequential):
+def _model(accumulation=None, kind=keras.Sequential):
+    """The model; `accumulation`: its `accumulation_steps`, or a dict of
+    `with_gradient_accumulation`'s keywords (an update size)."""
     keras.utils.set_random_seed(0)
     model = kind(
         [
@@ -55,8 +57,10 @@ def _model(accumulation_steps=None, kind=keras.Sequential):
             keras.layers.Dense(3),
         ]
     )
-    if accumulation_steps:
-        model = tfmemsafe.with_gradient_accumulation(model, accumulation_steps)
+    if isinstance(accumulation, dict):
+        model = tfmemsafe.with_gradient_accumulation(model, **accumulation)
+    elif accumulation:
+        model = tfmemsafe.with_gradient_accumulation(model, accumulation)
     model.compile(
         keras.optimizers.Adam(1e-2),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -76,12 +80,12 @@ def _buckets(model):
     )
 
 
-def _reference(accumulation_steps=None, epochs=1):
+def _reference(accumulation=None, epochs=1):
     """The model after plain `model.fit` on the same batches.
 
     Their number is asserted, so that Keras takes no step past the last
     batch (`tfmemsafe.fit` takes none either, see `StepGuard`)."""
-    model = _model(accumulation_steps)
+    model = _model(accumulation)
     buckets = _buckets(model)
     batches = buckets.apply(_examples()).apply(
         tf.data.experimental.assert_cardinality(buckets.num_batches())
@@ -135,12 +139,14 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
         # The failed batch is a window's second micro-batch; its first.
         ("accumulating_mid_window", 2, 3),
         ("accumulating_window_start", 2, 2),
+        # Windows of 300 tokens or more: 2 to 3 batches of 128 to 640.
+        ("tokens_per_update", {"tokens_per_update": 300}, 3),
     )
     def test_a_split_batch_makes_the_update_of_the_whole_batch(
-        self, accumulation_steps, step
+        self, accumulation, step
     ):
-        expected, logs = _reference(accumulation_steps, epochs=2)
-        model = _model(accumulation_steps)
+        expected, logs = _reference(accumulation, epochs=2)
+        model = _model(accumulation)
         with self.assertLogs(level="WARNING") as logged:
             history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
         (event,) = history.oom_events
@@ -233,6 +239,42 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
             "micro-batches for one update, batch size 64 kept",
         )
         self.assertEqual(dataclasses.asdict(event)["split_into"], 4)
+
+
+class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(
+        ("samples", {"samples_per_update": 48}, {"max_batch_size": 48}),
+        ("tokens", {"tokens_per_update": 600}, {"max_tokens": 600}),
+    )
+    def test_fit_caps_the_buckets_at_the_update_size(self, by_size, cap):
+        # So that an update averages under twice the size asked for.
+        model = _model(by_size)
+        with mock.patch.object(
+            tfmemsafe.data, "memory_buckets", return_value=_buckets(model)
+        ) as planned:
+            tfmemsafe.fit(model, _examples(), batch_size="auto", verbose=0)
+        self.assertEqual(planned.call_args.kwargs, cap)
+
+    def test_accumulation_steps_over_buckets_are_said_to_vary(self):
+        model = _model(2)
+        plan = _buckets(model)
+        sizes = [16, 8, 8, 4][: len(plan.lengths)]
+        plan = dataclasses.replace(plan, bucket_batch_sizes=(*sizes, sizes[-1]))
+        with (
+            mock.patch.object(
+                tfmemsafe.data, "memory_buckets", return_value=plan
+            ),
+            self.assertLogs(level="WARNING") as logs,
+        ):
+            tfmemsafe.fit(model, _examples(), batch_size="auto", verbose=0)
+        self.assertIn(
+            "accumulation_steps=2 counts batches, and the buckets' batches "
+            "hold 4 to 16 samples: updates of 8 to 32 samples.",
+            logs.output[0],
+        )
+        self.assertIn(
+            "build the model with `samples_per_update`", logs.output[0]
+        )
 
 
 if __name__ == "__main__":

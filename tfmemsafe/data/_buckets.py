@@ -248,6 +248,7 @@ def memory_buckets(
     length_fn: Callable | None = None,
     bucket_boundaries=None,
     max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+    max_tokens: int | None = None,
     multiple: int | None = None,
     headroom: float = HEADROOM,
     estimate: estimate_lib.MemoryEstimate | None = None,
@@ -290,6 +291,11 @@ def memory_buckets(
             example (empty buckets left out).
         max_batch_size: int. No bucket's batch is larger. Defaults to
             4096.
+        max_tokens: int or `None`. No bucket's batch holds more padded
+            tokens (its batch size times its padded length) than this, as
+            fairseq's `--max-tokens`; an `AccumulatingModel` with
+            `tokens_per_update` gets it from `tfmemsafe.fit`. Defaults to
+            `None`: memory alone sets the sizes.
         multiple: int or `None`. Batch sizes are multiples of this.
             Defaults to `None`: the model's replicas in sync.
         headroom: float. The fraction of the memory limit to leave free
@@ -337,6 +343,8 @@ def memory_buckets(
             f"Received: max_batch_size={max_batch_size}"
         )
     headroom = _checks.fraction("headroom", headroom)
+    if max_tokens is not None:
+        max_tokens = _checks.integer("max_tokens", max_tokens, 1)
     if estimate is not None:
         _check_estimate(estimate)
     dataset = _lengths.examples(dataset)
@@ -359,8 +367,18 @@ def memory_buckets(
         boundaries = [b for b, c in zip(boundaries, counts, strict=True) if c]
         counts = [int(c) for c in counts if c]
     padded = [boundary - 1 for boundary in boundaries]
+    if max_tokens is not None and max_tokens < multiple * padded[-1]:
+        raise ValueError(
+            f"`max_tokens` must hold a batch of {multiple} (`multiple`) of "
+            f"the longest bucket's examples, padded to {padded[-1]}: at "
+            f"least {multiple * padded[-1]}. Received: "
+            f"max_tokens={max_tokens}"
+        )
     sizing = _Sizing(
-        max_batch_size - max_batch_size % multiple, multiple, headroom
+        max_batch_size - max_batch_size % multiple,
+        multiple,
+        headroom,
+        max_tokens,
     )
 
     arguments = (model, dataset, lengths, padded, counts, estimate, sizing)
@@ -403,6 +421,7 @@ def bucket_by_memory(
     length_fn: Callable | None = None,
     bucket_boundaries=None,
     max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+    max_tokens: int | None = None,
     multiple: int | None = None,
     headroom: float = HEADROOM,
     estimate: estimate_lib.MemoryEstimate | None = None,
@@ -425,6 +444,7 @@ def bucket_by_memory(
         length_fn=length_fn,
         bucket_boundaries=bucket_boundaries,
         max_batch_size=max_batch_size,
+        max_tokens=max_tokens,
         multiple=multiple,
         headroom=headroom,
         estimate=estimate,
@@ -441,6 +461,7 @@ class _Sizing:
     cap: int  # `max_batch_size`, a multiple of `multiple`.
     multiple: int
     headroom: float
+    max_tokens: int | None = None
 
     def size_at(self, estimate, held: int, length: int) -> int:
         """The largest batch at `length` that leaves the headroom free
@@ -451,6 +472,9 @@ class _Sizing:
             multiple=self.multiple,
             length=length,
         )
+        if self.max_tokens is not None:
+            tokens = self.max_tokens // length
+            size = min(size, tokens - tokens % self.multiple)
         return min(size, self.cap)
 
 

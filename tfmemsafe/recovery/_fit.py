@@ -32,6 +32,7 @@ from tfmemsafe.recovery._planner import SizePlanner
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import VALIDATION
 from tfmemsafe.recovery._policy import SizePolicy
+from tfmemsafe.recovery._policy import accumulation_steps_of
 from tfmemsafe.recovery._runner import FitRun
 from tfmemsafe.recovery._settings import FitSettings
 
@@ -363,8 +364,28 @@ def _bucketed(model, train_source, validation_source, memory_estimate):
             "memory_estimate=True, or batch them yourself. Received: "
             "memory_estimate=False"
         )
-    buckets = data_lib.memory_buckets(train_source.data, model)
+    # Windows that close at a number of samples (tokens) take no batch
+    # past it, so that an update stays under twice it.
+    buckets = data_lib.memory_buckets(
+        train_source.data,
+        model,
+        **_capped_by_update_size(model),
+    )
     logging.info("tfmemsafe.fit: batch_size='auto' chose:\n%s", buckets)
+    steps = accumulation_steps_of(model)
+    sizes = buckets.bucket_batch_sizes[:-1]
+    if steps and steps > 1 and min(sizes) != max(sizes):
+        logging.warning(
+            "tfmemsafe.fit: accumulation_steps=%d counts batches, and the "
+            "buckets' batches hold %d to %d samples: updates of %d to %d "
+            "samples. For updates of one size, build the model with "
+            "`samples_per_update` (or `tokens_per_update`) instead.",
+            steps,
+            min(sizes),
+            max(sizes),
+            steps * min(sizes),
+            steps * max(sizes),
+        )
     train = BucketedExamples(train_source.data, "data", buckets, counted=True)
     train.one_worker = train_source.one_worker
     if _varies_in_length(validation_source):
@@ -374,6 +395,17 @@ def _bucketed(model, train_source, validation_source, memory_estimate):
         validation.one_worker = validation_source.one_worker
         validation_source = validation
     return train, validation_source
+
+
+def _capped_by_update_size(model) -> dict:
+    """`memory_buckets`' caps for a model whose windows close by size."""
+    samples = getattr(model, "samples_per_update", None)
+    tokens = getattr(model, "tokens_per_update", None)
+    if samples:
+        return {"max_batch_size": samples}
+    if tokens:
+        return {"max_tokens": tokens}
+    return {}
 
 
 def _split_for_validation(settings: FitSettings, other_arguments: dict):

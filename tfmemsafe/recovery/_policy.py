@@ -347,8 +347,21 @@ class SizePolicy:
 
 
 def accumulation_steps_of(model) -> int | None:
-    """The model's `accumulation_steps`, or `None` if it has none."""
+    """The model's `accumulation_steps`, or `None` if it has none, or if
+    its windows close at a number of samples or tokens (which a smaller
+    batch keeps by itself)."""
+    if window_closes_by_size(model):
+        return None
     steps = getattr(model, "accumulation_steps", None)
     if isinstance(steps, int) and not isinstance(steps, bool):
         return steps
     return None
+
+
+def window_closes_by_size(model) -> bool:
+    """Whether the model's windows close at a number of samples or tokens
+    (`AccumulatingModel(samples_per_update=...)`), whatever the batch."""
+    return bool(
+        getattr(model, "samples_per_update", None)
+        or getattr(model, "tokens_per_update", None)
+    )

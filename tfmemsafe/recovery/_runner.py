@@ -36,6 +36,7 @@ from tfmemsafe.recovery._policy import VALIDATION
 from tfmemsafe.recovery._policy import SizeDecision
 from tfmemsafe.recovery._policy import SizePolicy
 from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._policy import window_closes_by_size
 from tfmemsafe.recovery._resume import EpochStart
 from tfmemsafe.recovery._resume import Position
 from tfmemsafe.recovery._resume import ResumableCallbackList
@@ -544,6 +545,9 @@ def _carry_partial_window(model, decision: SizeDecision | None) -> None:
     is applied after the same samples.
     """
     carry = getattr(model, "_carry_partial_window", None)
+    if carry is not None and window_closes_by_size(model):
+        carry(1.0)  # It closes after the same samples at any batch size.
+        return
     if decision is None:
         before = after = accumulation_steps_of(model)
     else:

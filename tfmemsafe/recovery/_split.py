@@ -31,6 +31,7 @@ from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._policy import window_closes_by_size
 
 _OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
 # The class of `tf.distribute.get_strategy()` outside any strategy's scope;
@@ -54,7 +55,8 @@ class SplitBatch:
         self.guard = guard
         self.source = source
         self._sums = {}  # id(variable) -> its weighted gradient sum.
-        self._total = None
+        self._total = None  # The micro-batches' weights, summed.
+        self._size = None  # Their sizes, for a window closed by size.
         self._updates = {}  # id(owner) -> (owner, method name, variables).
         self._dense = set()  # id(variable) of those with a dense gradient.
         self._traced_sparse = []  # (id(variable), (values, indices)).
@@ -155,6 +157,7 @@ class SplitBatch:
                 for v in variables
             }
             self._total = tf.Variable(0.0, trainable=False)
+            self._size = tf.Variable(0.0, trainable=False)
         self._updates, self._dense = {}, set()
         sparse = {}  # id(variable) -> its micro-batches' (values, indices).
         step = tf.function(
@@ -176,12 +179,15 @@ class SplitBatch:
             return {name: _python(value) for name, value in logs.items()}
         finally:
             self._sums, self._total, self._updates = {}, None, {}
+            self._size = None
             self._dense = set()
 
     def _accumulates(self) -> bool:
         """Whether the step's update is an `accumulate` into a window of
         several micro-batches, not an `apply`."""
-        return (accumulation_steps_of(self.model) or 1) > 1
+        return (
+            accumulation_steps_of(self.model) or 1
+        ) > 1 or window_closes_by_size(self.model)
 
     def _micro_batch(self, data, rows):
         """One micro-batch's step; with the sparse gradients it deferred,
@@ -199,11 +205,13 @@ class SplitBatch:
         gradients,
         trainable_variables=None,
         sample_count=None,
+        size=None,
     ):
         """The update a micro-batch's step asked for, added to the sums.
 
         An `accumulate` call weighs its micro-batch by `sample_count` (its
-        samples, or its sample-weight sum); an `apply` call's micro-batch
+        samples, or its sample-weight sum), and adds `size` to the
+        window's (its samples or tokens); an `apply` call's micro-batch
         weighs its rows, as the loss averages over them. A sparse gradient
         (an `Embedding`'s `tf.IndexedSlices`) is kept whole, a row per
         token: the optimizer's update of the whole batch's slices is not
@@ -231,6 +239,9 @@ class SplitBatch:
                 self._dense.add(id(variable))
                 self._sums[id(variable)].assign_add(gradient * scale)
         self._total.assign_add(weight)
+        self._size.assign_add(
+            weight if size is None else tf.cast(size, tf.float32)
+        )
         self._updates[id(owner)] = (owner, name, variables)
 
     def _update(self, sparse):
@@ -240,7 +251,7 @@ class SplitBatch:
             if name == "apply":
                 owner.apply(means, variables)
             else:
-                owner.accumulate(means, variables, self._total)
+                owner.accumulate(means, variables, self._total, size=self._size)
                 owner.apply_if_ready(self.model.optimizer)
 
     def _mean(self, variable, parts):
