@@ -60,6 +60,20 @@ class GrowthSizesTest(tf.test.TestCase):
         self.assertEqual(policy.growth_sizes(), [])
         self.assertEqual(policy.retries, 1)  # Growing spends none.
 
+    def test_an_odd_size_grows_back_from_its_rounded_down_half(self):
+        model = _models.dense_model(accumulation_steps=2)
+        policy = _policy.SizePolicy(
+            model,
+            {"training": 3007},
+            min_batch_size=1,
+            max_retries=None,
+        )
+        policy.halve("training", _oom())
+        self.assertEqual(policy.batch_size("training"), 1503)
+        self.assertEqual(policy.growth_sizes(), [3007])
+        policy.grow(3007, "")
+        self.assertEqual(model.accumulation_steps, 2)
+
     def test_sizes_whose_factor_does_not_divide_the_steps_are_left(self):
         model = _models.dense_model(accumulation_steps=3)
         policy = _shrunk_policy(model, 1)  # 1024 x 3 -> 512 x 6.

@@ -216,22 +216,20 @@ class SizePolicy:
     def growth_sizes(self) -> list[int]:
         """The training sizes it could grow back to, largest first.
 
-        Sizes this call trained at or tried before, larger than the
-        current one by a power of two that divides the accumulation steps
-        (so the effective batch is kept exactly).
+        Sizes this call trained at or tried before that halve to the
+        current one (an odd size's halves are rounded down: 3007 to 1503)
+        by a power of two that divides the accumulation steps (so the
+        effective batch is kept).
         """
         size = self.batch_size(TRAINING)
         steps = self._accumulation_steps()
         divide = bool(steps) and self.keep_effective_batch_size
         sizes = set()
         for larger in self._phases[TRAINING].tried:
-            factor = larger // size
-            if (
-                larger > size
-                and larger == size * factor
-                and factor & (factor - 1) == 0
-                and (not divide or steps % factor == 0)
-            ):
+            if larger <= size:
+                continue
+            factor = 1 << ((larger // size).bit_length() - 1)
+            if larger // factor == size and (not divide or steps % factor == 0):
                 sizes.add(larger)
         return sorted(sizes, reverse=True)
 
