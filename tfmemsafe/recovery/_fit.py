@@ -99,8 +99,9 @@ def fit(
     size it had, halving `accumulation_steps` again, once
     `grow_back_after` steps have trained cleanly and the memory estimate
     predicts that size fits beside what is held now: one log line and a
-    `GrowBackEvent` in `history.grow_back_events`. A size that runs out
-    again in the same epoch is not tried again in that epoch.
+    `GrowBackEvent` in `history.grow_back_events` (length buckets grow
+    back as an epoch begins). A size that runs out again in the same
+    epoch is not tried again in that epoch.
 
     Before the first step (`preflight=True`), it estimates the training
     step's memory; when the batch size asked for is predicted not to fit,

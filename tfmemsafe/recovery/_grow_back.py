@@ -22,7 +22,6 @@ from absl import logging
 
 from tfmemsafe import distribute
 from tfmemsafe._model_state import gradient_accumulators_of
-from tfmemsafe._sources import BucketedExamples
 from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import SizeDecision
@@ -77,15 +76,14 @@ class GrowBack(keras.callbacks.Callback):
         """The `GrowBack` of a `tfmemsafe.fit` call's `FitSettings`.
 
         It never grows under a multi-worker strategy (workers could decide
-        differently) or for length buckets (their epoch begins again at
-        every change); it grows mid-epoch where the epoch can go on at any
-        step at another size (as after an error, `Position`).
+        differently); it grows mid-epoch where the epoch can go on at any
+        step at another size (as after an error, `Position`), else (length
+        buckets, whose batches hold other examples at another size)
+        between epochs.
         """
         source = settings.train_source
         after = settings.grow_back_after
-        if distribute.is_multi_worker(model.distribute_strategy) or isinstance(
-            source, BucketedExamples
-        ):
+        if distribute.is_multi_worker(model.distribute_strategy):
             after = None
         mid_epoch = (
             settings.steps_per_epoch is None

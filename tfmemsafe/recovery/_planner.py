@@ -123,11 +123,13 @@ class SizePlanner:
         """Whether `batch_size` is predicted to fit `phase`'s step now,
         after it (or a smaller size) ran out of memory in this process.
 
-        Only an estimate already made decides (nothing is probed here).
-        What ran out is a measurement: the size needed more than the
-        limit less what something else held then, so its step is taken to
-        need at least that, whatever the estimate says. It fits again only
-        once enough of what was held then has been freed, by the one rule
+        Only an estimate already made decides (nothing is probed here):
+        for length buckets (`BucketedExamples`), their plan's, at every
+        bucket's batch scaled with `batch_size`. What ran out is a
+        measurement: the size needed more than the limit less what
+        something else held then, so its step is taken to need at least
+        that, whatever the estimate says. It fits again only once enough
+        of what was held then has been freed, by the one rule
         (`memory.fits_within`).
 
         Returns:
@@ -136,10 +138,14 @@ class SizePlanner:
             no estimate or no reading of what was held.
         """
         facts = self._facts_of(phase, source)
-        made = facts.estimate
+        buckets = getattr(source, "buckets", None)
+        made = facts.estimate if buckets is None else buckets.estimate
         if made is None or made.limit_bytes is None:
             return ""
-        peak = _own_peak(made, batch_size)
+        if buckets is None:
+            peak = _own_peak(made, batch_size)
+        else:  # The plan's memory model, at every bucket's batch.
+            peak = _buckets_peak(buckets, batch_size)
         if _over(batch_size, facts.ran_out):
             held_then = facts.held_when_ran_out.get(made.device)
             if held_then is None:
@@ -314,6 +320,18 @@ def _over(size: int, ran_out: int | None) -> bool:
 def _own_peak(made, batch_size: int) -> float:
     """The predicted peak of the step and its spare room."""
     return made.peak_bytes(batch_size) + made.spare_bytes(batch_size)
+
+
+def _buckets_peak(buckets, batch_size: int) -> float:
+    """The highest predicted peak of length buckets' batches, each scaled
+    with the first bucket's `batch_size`."""
+    scaled = buckets.scaled(batch_size)
+    return max(
+        scaled.estimate.peak_bytes(size, length=length)
+        for size, length in zip(
+            scaled.bucket_batch_sizes, scaled.lengths, strict=False
+        )
+    )
 
 
 def _predicted_peak(made, batch_size: int) -> float:
