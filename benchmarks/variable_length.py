@@ -16,6 +16,16 @@ real allocator cap (`tfmemsafe.testing.run_with_memory_cap`), for
 - memory: `tfmemsafe.data.bucket_by_memory(examples, model)`, its
   planning (the length pass and its probes) counted.
 
+With `--held`, a fourth run: `tfmemsafe.fit(examples,
+batch_size="auto")` for four epochs, the allocator filled by something
+else (`tfmemsafe.testing.HeldMemory`) at epoch 3, step `--hold_step`,
+and let go at the next step. The examples come in a new order each
+epoch, so the batch that runs out cannot be read again to be split:
+every bucket halves, the epoch begins again, and the buckets grow back
+as the next epoch begins. Its table gives each epoch's tokens per
+second, and epoch 4's (after the hold) against epoch 2's (before it;
+epoch 1 traces the steps).
+
 Each way trains in a fresh process under the cap, the three in turn for
 `--rounds` rounds. The table gives the tokens (not padding) trained per
 second of wall and of CPU time, against the fixed batch's, and the
@@ -40,6 +50,12 @@ _LONGEST = flags.DEFINE_integer("longest", 1024, "The longest sequence.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per way.")
 _CAP_MB = flags.DEFINE_integer("cap_mb", 400, "The allocator's limit in MB.")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of the three ways.")
+_HELD = flags.DEFINE_bool(
+    "held", False, "Also train with memory held for a while mid-training."
+)
+_HOLD_STEP = flags.DEFINE_integer(
+    "hold_step", 5, "The step of epoch 3 at which memory is held."
+)
 
 WAYS = ("fixed", "by hand", "memory")
 
@@ -140,6 +156,50 @@ def run_way(way, name, count, median, longest, epochs, found):
     }
 
 
+def run_held(name, count, median, longest, hold_step):
+    """`tfmemsafe.fit(batch_size="auto")` for four epochs with memory held
+    at epoch 3, step `hold_step` until the next step, in this capped
+    process; returns each epoch's timings and what recovery did."""
+    import keras
+
+    import tfmemsafe
+    from tfmemsafe import testing
+
+    data, lengths = sequences(count, median, longest)
+    data = data.shuffle(count, seed=1)
+    model = testing.reference_model(name, (None,))
+    begun, took = {}, {}
+
+    def begin(epoch, logs=None):
+        # An epoch that begins again counts from its first beginning.
+        begun.setdefault(epoch, (time.perf_counter(), time.process_time()))
+
+    def end(epoch, logs=None):
+        wall, cpu = begun[epoch]
+        took[epoch] = (time.perf_counter() - wall, time.process_time() - cpu)
+
+    timer = keras.callbacks.LambdaCallback(
+        on_epoch_begin=begin, on_epoch_end=end
+    )
+    with testing.AllocatorFailures() as failures:
+        history = tfmemsafe.fit(
+            model,
+            data,
+            batch_size="auto",
+            epochs=4,
+            grow_back_after=5,
+            callbacks=[testing.HeldMemory(2, hold_step), timer],
+            verbose=0,
+        )
+    return {
+        "epochs": [took[epoch] for epoch in sorted(took)],
+        "tokens": int(lengths.sum()),
+        "events": [str(e) for e in history.oom_events],
+        "grown": [str(e) for e in history.grow_back_events],
+        "failures": failures.count,
+    }
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -200,6 +260,42 @@ def main(argv):
             f"{sum(r['failures'] for r in rows)} | "
             f"{sum(bool(r['died']) for r in rows)} of {len(rows)} |"
         )
+
+    if _HELD.value:
+        _print_held(
+            testing.run_with_memory_cap(
+                run_held,
+                _CAP_MB.value,
+                args=[_MODEL.value, *shape, _HOLD_STEP.value],
+                timeout=7200,
+            )
+        )
+
+
+def _print_held(result):
+    print()
+    print(
+        f"Memory held at epoch 3, step {_HOLD_STEP.value}, until the next "
+        f"step: {'; '.join(result['events'])}; "
+        f"{'; '.join(result['grown']) or 'never grew back'}; "
+        f"{result['failures']} allocator OOMs."
+    )
+    print("| epoch | tokens/s (wall) | tokens/s (CPU) |")
+    print("| ---: | ---: | ---: |")
+    for index, (wall, cpu) in enumerate(result["epochs"], 1):
+        print(
+            f"| {index} | {result['tokens'] / wall:,.0f} | "
+            f"{result['tokens'] / cpu:,.0f} |"
+        )
+    (before_wall, before_cpu), (after_wall, after_cpu) = (
+        result["epochs"][1],
+        result["epochs"][3],
+    )
+    print(
+        f"After the hold (epoch 4) against before it (epoch 2): "
+        f"{before_wall / after_wall:.2f}x (wall), "
+        f"{before_cpu / after_cpu:.2f}x (CPU)."
+    )
 
 
 def _spread(ratios):
