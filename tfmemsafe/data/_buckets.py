@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 from collections.abc import Callable
 
@@ -517,8 +518,8 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
     strategy = model.distribute_strategy
     workers = distribute.is_multi_worker(strategy)
     replicas = strategy.num_replicas_in_sync if workers else 1
-    copy = _workers.local_copy(model) if workers else None
-    with copy or contextlib.nullcontext(model) as measured:
+    copying = _workers.local_copy(model) if workers else None
+    with copying or contextlib.nullcontext(model) as measured:
         source = source_for(
             _lengths.resized(dataset, base),
             "dataset",
@@ -535,7 +536,7 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
         # What else is in use than the model (and its copy, which is
         # deleted before training), read once for every size.
         held = estimate_lib.held_bytes(
-            first.device, (2 if copy else 1) * first.state_bytes
+            first.device, (2 if copying else 1) * first.state_bytes
         )
         sizes = [sizing.size_at(first, held, n) for n in padded]
         estimate = first
@@ -546,6 +547,11 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
                 for size, count, n in zip(sizes, counts, padded, strict=True)
             ]
             estimate = _measured(measured, source, first, batches, replicas)
+    # The copy's memory goes now, not whenever the garbage is collected
+    # next: a Keras model is in reference cycles.
+    measured = source = None
+    if copying:
+        gc.collect()
     # Never larger than before the measurements: one at a length may need
     # less raising there than its neighbours' did before.
     sizes = [

@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfmemsafe.data import _lengths
-
-# A worker's figures when its planning raised.
-_FAILED = -1.0
 
 
 def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
@@ -42,8 +38,8 @@ def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
         strategy: The `MultiWorkerMirroredStrategy`.
         figures: A 1-D sequence of numbers, of the same length on every
             worker (exact up to 2**53).
-        failed: bool. This worker's planning raised: its row is sent as
-            `_FAILED` so that the others raise too.
+        failed: bool. This worker's planning raised: its row says so
+            (in a last column), so that the others raise too.
 
     Returns:
         An array of `num_replicas_in_sync` rows; the replicas of one
@@ -52,14 +48,12 @@ def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
     Raises:
         RuntimeError: If another worker's planning failed.
     """
-    figures = np.asarray(figures, np.float64).reshape(-1)
-    if failed:
-        figures = np.full(figures.shape, _FAILED)
+    row = np.append(np.asarray(figures, np.float64).reshape(-1), float(failed))
     replicas = strategy.num_replicas_in_sync
 
     def rows(context):
-        table = np.zeros((replicas, figures.size), np.float64)
-        table[context.replica_id_in_sync_group] = figures
+        table = np.zeros((replicas, row.size), np.float64)
+        table[context.replica_id_in_sync_group] = row
         return tf.constant(table)
 
     table = strategy.reduce(
@@ -67,12 +61,12 @@ def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
         strategy.experimental_distribute_values_from_function(rows),
         axis=None,
     ).numpy()
-    if not failed and (table == _FAILED).all(axis=1).any():
+    if not failed and table[:, -1].any():
         raise RuntimeError(
             "`memory_buckets` stopped: another worker of the job could not "
             "plan the buckets (its error is in its own log)."
         )
-    return table
+    return table[:, :-1]
 
 
 def exchanged(strategy, plan, width: int):
@@ -137,9 +131,9 @@ def local_copy(model: keras.Model):
     """A copy of `model` outside every strategy, compiled as it is.
 
     Built from the model's config (`keras.models.clone_model`) with fresh
-    weights: the memory of a step does not depend on their values. It is
-    deleted on exit, so that its memory is free again before the plan
-    reads what else is in use.
+    weights: the memory of a step does not depend on their values. Its
+    memory goes once the caller drops it too and collects garbage (a
+    Keras model is in reference cycles).
     """
     if tf.distribute.has_strategy():
         raise ValueError(
@@ -165,7 +159,6 @@ def local_copy(model: keras.Model):
         yield copy
     finally:
         del copy
-        gc.collect()
 
 
 def global_estimate(estimate, replicas: int):
