@@ -558,6 +558,27 @@ class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(_iterations(by_samples), 8)
         self.assertLess(_max_difference(by_steps, by_samples), 1e-6)
 
+    def test_a_loss_scaled_window_closes_by_samples_too(self):
+        # A `LossScaleOptimizer` checks and unscales once per window; in
+        # float32 nothing overflows, so it trains as the plain optimizer.
+        models = []
+        for scaled in (False, True):
+            model = _functional(AccumulatingModel, samples_per_update=24)
+            optimizer = keras.optimizers.SGD(0.1)
+            if scaled:
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            model.compile(optimizer, "mse")
+            if models:
+                model.set_weights(models[0].get_weights())
+            models.append(model)
+        for model in models:
+            model.fit(_batches([4, 12, 8, 8, 20]), epochs=1, verbose=0)
+        plain, scaled = models
+        self.assertEqual(_iterations(plain), 3)
+        self.assertEqual(int(scaled.optimizer.iterations.numpy()), 3)
+        self.assertEqual(scaled.skipped_windows, 0)
+        self.assertLess(_max_difference(plain, scaled), 1e-5)
+
     def test_tokens_per_update_counts_padded_tokens(self):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((None, 6))
@@ -620,8 +641,18 @@ class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):
         ):
             _functional(AccumulatingModel, tokens_per_update=0)
         model = _functional(AccumulatingModel, samples_per_update=8)
-        with self.assertRaisesRegex(ValueError, r"not both"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"windows close at `samples_per_update`, so `accumulation_steps` "
+            r"stays 1\. Received: accumulation_steps=2",
+        ):
             model.accumulation_steps = 2
+        with self.assertRaisesRegex(
+            ValueError,
+            r"update size is set when it is constructed.*Received: "
+            r"samples_per_update=4 for",
+        ):
+            tfmemsafe.with_gradient_accumulation(model, samples_per_update=4)
         with self.assertRaisesRegex(ValueError, r"`update_size` must be"):
             GradientAccumulator(1, update_size=-3)
 

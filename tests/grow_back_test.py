@@ -60,19 +60,25 @@ class GrowthSizesTest(tf.test.TestCase):
         self.assertEqual(policy.growth_sizes(), [])
         self.assertEqual(policy.retries, 1)  # Growing spends none.
 
-    def test_an_odd_size_grows_back_from_its_rounded_down_half(self):
-        model = _models.dense_model(accumulation_steps=2)
-        policy = _policy.SizePolicy(
-            model,
-            {"training": 3007},
-            min_batch_size=1,
-            max_retries=None,
-        )
-        policy.halve("training", _oom())
-        self.assertEqual(policy.batch_size("training"), 1503)
-        self.assertEqual(policy.growth_sizes(), [3007])
-        policy.grow(3007, "")
-        self.assertEqual(model.accumulation_steps, 2)
+    def test_an_odd_size_grows_back_from_its_rounded_down_halves(self):
+        for size, halvings, smaller, growth in (
+            (3007, 1, 1503, [3007]),
+            (15, 2, 3, [15, 7]),  # 15 // 3 is 5; it halved by 4.
+        ):
+            model = _models.dense_model(accumulation_steps=4)
+            policy = _policy.SizePolicy(
+                model,
+                {"training": size},
+                min_batch_size=1,
+                max_retries=None,
+            )
+            for _ in range(halvings):
+                policy.halve("training", _oom())
+            self.assertEqual(policy.batch_size("training"), smaller)
+            self.assertEqual(model.accumulation_steps, 4 * 2**halvings)
+            self.assertEqual(policy.growth_sizes(), growth)
+            policy.grow(size, "")
+            self.assertEqual(model.accumulation_steps, 4)
 
     def test_sizes_whose_factor_does_not_divide_the_steps_are_left(self):
         model = _models.dense_model(accumulation_steps=3)

@@ -125,6 +125,12 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
     @accumulation_steps.setter
     def accumulation_steps(self, value):
         value = _checks.integer("accumulation_steps", value)
+        if self._update_unit is not None and value != 1:
+            raise ValueError(
+                f"{self.name}'s windows close at `{self._update_unit}_per_"
+                f"update`, so `accumulation_steps` stays 1. Received: "
+                f"accumulation_steps={value}"
+            )
         for accumulator in self._accumulators():
             accumulator.accumulation_steps = value
         # The value is part of the traced step: trace it again.
@@ -224,8 +230,8 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
             raise ValueError(
                 "`tokens_per_update` counts a micro-batch's samples times "
                 "its length, the first input's axis 1, so that input needs "
-                "one. Received a first input of shape "
-                f"{first.shape}; use `samples_per_update` instead."
+                "one; use `samples_per_update` otherwise. Received: a "
+                f"first input of shape {first.shape}"
             )
         return batch_size * tf.shape(first)[1]
 

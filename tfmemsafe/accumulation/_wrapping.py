@@ -104,9 +104,11 @@ def with_gradient_accumulation(
     }
     if isinstance(model, AccumulatingModel):
         if by_size:
+            given = ", ".join(f"{k}={v}" for k, v in by_size.items())
             raise ValueError(
                 "An `AccumulatingModel`'s update size is set when it is "
-                f"built. Received: {by_size} for one already built."
+                "constructed; pass a model that is not one yet. Received: "
+                f"{given} for {model.name}, an `AccumulatingModel`"
             )
         if accumulation_steps is not None:
             model.accumulation_steps = accumulation_steps

@@ -66,7 +66,9 @@ class MemoryBuckets:
         predicted_peak_bytes: tuple of int. Each bucket's predicted peak
             at its batch size, with what else was in use then.
         estimate: `tfmemsafe.MemoryEstimate`. The memory model the sizes
-            come from, with a second dimension (the length).
+            come from, with a second dimension (the length); under a
+            multi-worker strategy, one device's scaled to the job's global
+            batch.
         length_fn: callable. An example's parts to its length, as a
             scalar `int32` tensor.
         multiple: int. Every batch size is a multiple of it.
@@ -307,7 +309,10 @@ def memory_buckets(
         estimate: `tfmemsafe.MemoryEstimate` or `None`. A memory model of
             this model's training step made with `lengths` (or a plan's
             `estimate`, with its buckets' measurements), to use instead of
-            making one and measuring. Defaults to `None`.
+            making one and measuring. Under a multi-worker strategy, one
+            device's, made outside the strategy (as the plan makes its
+            own): it is scaled to the job's global batch. Defaults to
+            `None`.
 
     Returns:
         A `MemoryBuckets`; its `apply(dataset)` batches the data.
@@ -348,17 +353,21 @@ def memory_buckets(
         max_tokens = _checks.integer("max_tokens", max_tokens, 1)
     if estimate is not None:
         _check_estimate(estimate)
-    dataset = _lengths.examples(dataset)
-    length_fn = _lengths.length_fn_of(dataset, length_fn)
+    read = {}
+
+    def read_lengths():
+        read["dataset"] = _lengths.examples(dataset)
+        read["length_fn"] = _lengths.length_fn_of(read["dataset"], length_fn)
+        return _lengths.read_lengths(read["dataset"], read["length_fn"])
+
     if workers:
-        # Every worker the same buckets, from every worker's lengths.
+        # Every worker the same buckets, from every worker's lengths (an
+        # error reading this worker's makes every worker raise).
         boundaries, counts, lengths = _workers.agreed_buckets(
-            strategy,
-            lambda: _lengths.read_lengths(dataset, length_fn),
-            bucket_boundaries,
+            strategy, read_lengths, bucket_boundaries
         )
     else:
-        lengths = _lengths.read_lengths(dataset, length_fn)
+        lengths = read_lengths()
         if bucket_boundaries is None:
             boundaries = _lengths.default_boundaries(lengths)
         else:
@@ -367,6 +376,7 @@ def memory_buckets(
         # A bucket with no example needs no size (and its length no probe).
         boundaries = [b for b, c in zip(boundaries, counts, strict=True) if c]
         counts = [int(c) for c in counts if c]
+    dataset, length_fn = read["dataset"], read["length_fn"]
     padded = [boundary - 1 for boundary in boundaries]
     if max_tokens is not None and max_tokens < multiple * padded[-1]:
         raise ValueError(
@@ -503,9 +513,14 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
     trained for a few steps and the estimate raised where a step held
     more than predicted, so that no size is above what a measurement says
     fits. Under a multi-worker strategy it is measured on a local copy of
-    the model and made one replica's of the job (see `_workers`).
+    the model and made one replica's of the job (see `_workers`), as a
+    given `estimate` (one device's) is.
     """
+    strategy = model.distribute_strategy
+    workers = distribute.is_multi_worker(strategy)
+    replicas = strategy.num_replicas_in_sync if workers else 1
     if estimate is not None:
+        estimate = _workers.global_estimate(estimate, replicas)
         held = estimate_lib.held_bytes(estimate.device, estimate.state_bytes)
         return (
             estimate,
@@ -515,9 +530,6 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
     _check_every_input_varies(dataset)
     median = float(np.median(lengths))
     base = next(length for length in padded if length >= median)
-    strategy = model.distribute_strategy
-    workers = distribute.is_multi_worker(strategy)
-    replicas = strategy.num_replicas_in_sync if workers else 1
     copying = _workers.local_copy(model) if workers else None
     with copying or contextlib.nullcontext(model) as measured:
         source = source_for(
@@ -534,10 +546,12 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
         )
         first = _workers.global_estimate(first, replicas)
         # What else is in use than the model (and its copy, which is
-        # deleted before training), read once for every size.
-        held = estimate_lib.held_bytes(
-            first.device, (2 if copying else 1) * first.state_bytes
-        )
+        # deleted before training; the model's optimizer may not be built
+        # yet), read once for every size.
+        state = first.state_bytes
+        if copying:
+            state += estimate_lib.state_bytes(model)
+        held = estimate_lib.held_bytes(first.device, state)
         sizes = [sizing.size_at(first, held, n) for n in padded]
         estimate = first
         if all(sizes):

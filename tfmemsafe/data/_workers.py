@@ -77,7 +77,7 @@ def exchanged(strategy, plan, width: int):
     """
     try:
         figures = plan()
-    except Exception:
+    except BaseException:  # Told to the others, then raised as it is.
         gathered(strategy, np.zeros(width), failed=True)
         raise
     return gathered(strategy, figures)
@@ -153,7 +153,9 @@ def local_copy(model: keras.Model):
             "`memory_buckets` measures a multi-worker job's memory on a "
             "copy of the model outside the strategy, and could not copy "
             f"this one: {err}. Give its layers a complete `get_config`, "
-            "or pass an `estimate` made on one worker's device."
+            "or pass an `estimate` of one device's step, made with "
+            "`tfmemsafe.estimate_memory(..., lengths=...)` on a model "
+            "outside the strategy."
         ) from err
     try:
         yield copy

@@ -26,6 +26,7 @@ from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import SizeDecision
 from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._policy import halving_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ class GrowBack(keras.callbacks.Callback):
         current = self.policy.batch_size(TRAINING)
         for size in self.policy.growth_sizes():
             if self._failures[size] >= 2 or not self._window_splits(
-                size // current
+                halving_factor(size, current)
             ):
                 continue
             predicted = self.planner.fits_again(TRAINING, self.source, size)

@@ -323,11 +323,13 @@ def _own_peak(made, batch_size: int) -> float:
 
 
 def _buckets_peak(buckets, batch_size: int) -> float:
-    """The highest predicted peak of length buckets' batches, each scaled
-    with the first bucket's `batch_size`."""
+    """The highest predicted peak (and spare room, as the plan keeps) of
+    length buckets' batches, each scaled with the first's `batch_size`."""
     scaled = buckets.scaled(batch_size)
+    made = scaled.estimate
     return max(
-        scaled.estimate.peak_bytes(size, length=length)
+        made.peak_bytes(size, length=length)
+        + made.spare_bytes(size, length=length)
         for size, length in zip(
             scaled.bucket_batch_sizes, scaled.lengths, strict=False
         )

@@ -226,10 +226,8 @@ class SizePolicy:
         divide = bool(steps) and self.keep_effective_batch_size
         sizes = set()
         for larger in self._phases[TRAINING].tried:
-            if larger <= size:
-                continue
-            factor = 1 << ((larger // size).bit_length() - 1)
-            if larger // factor == size and (not divide or steps % factor == 0):
+            factor = halving_factor(larger, size)
+            if factor and (not divide or steps % factor == 0):
                 sizes.add(larger)
         return sorted(sizes, reverse=True)
 
@@ -246,7 +244,8 @@ class SizePolicy:
         if self.follows_training:
             self._phases[VALIDATION].tried.append(batch_size)
         if steps and self.keep_effective_batch_size:
-            self.model.accumulation_steps = steps // (batch_size // before)
+            factor = halving_factor(batch_size, before)
+            self.model.accumulation_steps = steps // factor
         return self._decision(TRAINING, before, steps, predicted)
 
     def restore(self, tried, accumulation_steps) -> SizeDecision:
@@ -318,7 +317,8 @@ class SizePolicy:
         steps = self._accumulation_steps()
         asked = self.requested(TRAINING) * (self._steps_asked or 1)
         now = self.batch_size(TRAINING) * (steps or 1)
-        if now == asked:
+        if now == asked or window_closes_by_size(self.model):
+            # A window of so many samples (or tokens) keeps them itself.
             return ""
         if steps is None:
             if self._said_no_accumulation:
@@ -359,7 +359,14 @@ def accumulation_steps_of(model) -> int | None:
 def window_closes_by_size(model) -> bool:
     """Whether the model's windows close at a number of samples or tokens
     (`AccumulatingModel(samples_per_update=...)`), whatever the batch."""
-    return bool(
-        getattr(model, "samples_per_update", None)
-        or getattr(model, "tokens_per_update", None)
-    )
+    accumulator = getattr(model, "gradient_accumulator", None)
+    return getattr(accumulator, "update_size", None) is not None
+
+
+def halving_factor(larger: int, smaller: int) -> int:
+    """The power of two that `larger` halves to `smaller` by (halves
+    rounded down: 15 to 7 to 3 is 4), or 0 if it does not."""
+    if larger <= smaller or smaller < 1:
+        return 0
+    factor = 1 << ((larger // smaller).bit_length() - 1)
+    return factor if larger // factor == smaller else 0
