@@ -243,62 +243,20 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
             "transformer": (buckets_under_cap, ["transformer"]),
             "fit": (fit_auto_under_cap, [False]),
             "fit_held": (fit_auto_under_cap, [True]),
-            "fit_held_shuffled": (fit_auto_under_cap, [True, True, 3]),
             "fit_long": (fit_with_a_long_bucket_too_large_under_cap, []),
         }
-        cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios) + 1)
+        cls._pool = concurrent.futures.ThreadPoolExecutor(len(scenarios))
         cls._results = {
             name: cls._pool.submit(
                 testing.run_with_memory_cap, target, _CAP_MB, args=args
             )
             for name, (target, args) in scenarios.items()
         }
-        cls._results["workers"] = cls._pool.submit(
-            testing.run_workers,
-            plan_and_fit_on_a_worker,
-            2,
-            env=testing.memory_cap_environment(_CAP_MB),
-            worker_env=[{}, {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(_WIDER_CAP_MB)}],
-        )
 
     @classmethod
     def tearDownClass(cls):
         cls._pool.shutdown(wait=True)
         super().tearDownClass()
-
-    def test_two_workers_agree_on_the_buckets_and_train_each_example_once(
-        self,
-    ):
-        first, second = self._results["workers"].result()
-        text = f"{first['text']}\n{second['text']}"
-        self.assertEqual(first["boundaries"], second["boundaries"])
-        self.assertEqual(first["counts"], second["counts"])
-        self.assertEqual(first["sizes"], second["sizes"], msg=text)
-        # Each bucket at most what each worker's memory model gives it
-        # (`own`: by its final estimate; a size is also never above what
-        # the estimate gave before the buckets were measured, which `own`
-        # cannot see), and about the smaller of the two; the worker with
-        # the wider cap would have chosen larger batches.
-        for size, a, b in zip(
-            first["sizes"], first["own"], second["own"], strict=True
-        ):
-            self.assertBetween(size, 0.9 * min(a, b), min(a, b), msg=text)
-        self.assertTrue(
-            any(
-                own > size
-                for own, size in zip(
-                    second["own"], second["sizes"], strict=True
-                )
-            ),
-            msg=text,
-        )
-        for worker in (first, second):
-            for peak in worker["peaks"]:
-                self.assertLess(peak, 0.8 * worker["limit"], msg=text)
-            # The epoch trained every example exactly once, on one worker
-            # or the other, with no out-of-memory error.
-            self.assertEqual(worker["seen"], [1.0], msg=text)
-            self.assertEqual((worker["failures"], worker["events"]), (0, 0))
 
     @parameterized.parameters("gru", "transformer")
     def test_every_example_is_batched_once_within_its_bucket(self, name):
@@ -357,23 +315,6 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(result["seen"], [2.0], msg=result)
         self.assertEqual(result["epochs"], 2)
         self.assertTrue(np.isfinite(result["loss"]).all())
-
-    def test_fit_auto_on_shuffled_examples_grows_back_after_a_hold(self):
-        result = self._results["fit_held_shuffled"].result()
-        # The held step ran out; shuffled, its batch could not be read
-        # again, so every bucket halved and epoch 1 began again; with the
-        # memory let go, the buckets grew back as the next epoch began.
-        (event,) = result["events"]
-        self.assertEqual((event["epoch"], event["phase"]), (1, "training"))
-        self.assertIsNone(event["split_into"])
-        self.assertLess(event["batch_size_after"], event["batch_size_before"])
-        (grown,) = result["grown"]
-        self.assertEqual((grown["epoch"], grown["step"]), (2, 0), msg=result)
-        self.assertEqual(grown["batch_size_after"], event["batch_size_before"])
-        self.assertEqual(result["batch_size"], event["batch_size_before"])
-        # Each example once an epoch: epoch 1's first steps were put back.
-        self.assertEqual(result["seen"], [3.0], msg=result)
-        self.assertEqual(result["epochs"], 3)
 
     def test_fit_auto_splits_a_long_batch_and_keeps_every_size(self):
         result = self._results["fit_long"].result()
@@ -453,6 +394,91 @@ def plan_and_fit_on_a_worker():
         "events": len(history.oom_events),
         "text": str(plan),
     }
+
+
+class SharedAndGrownRealCapTest(tf.test.TestCase):
+    """Two workers planning one job, and shuffled buckets growing back:
+    apart from `RealCapTest`'s five processes, so that neither set runs
+    beside the other's load (readings move with the machine's)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._pool = concurrent.futures.ThreadPoolExecutor(2)
+        cls._results = {
+            "fit_held_shuffled": cls._pool.submit(
+                testing.run_with_memory_cap,
+                fit_auto_under_cap,
+                _CAP_MB,
+                args=[True, True, 3],
+            ),
+            "workers": cls._pool.submit(
+                testing.run_workers,
+                plan_and_fit_on_a_worker,
+                2,
+                env=testing.memory_cap_environment(_CAP_MB),
+                worker_env=[
+                    {},
+                    {"TF_CPU_BFC_MEM_LIMIT_IN_MB": str(_WIDER_CAP_MB)},
+                ],
+            ),
+        }
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._pool.shutdown(wait=True)
+        super().tearDownClass()
+
+    def test_two_workers_agree_on_the_buckets_and_train_each_example_once(
+        self,
+    ):
+        first, second = self._results["workers"].result()
+        text = f"{first['text']}\n{second['text']}"
+        self.assertEqual(first["boundaries"], second["boundaries"])
+        self.assertEqual(first["counts"], second["counts"])
+        self.assertEqual(first["sizes"], second["sizes"], msg=text)
+        # Each bucket at most what each worker's memory model gives it
+        # (`own`: by its final estimate; a size is also never above what
+        # the estimate gave before the buckets were measured, which `own`
+        # cannot see), and about the smaller of the two; the worker with
+        # the wider cap would have chosen larger batches.
+        for size, a, b in zip(
+            first["sizes"], first["own"], second["own"], strict=True
+        ):
+            self.assertBetween(size, 0.9 * min(a, b), min(a, b), msg=text)
+        self.assertTrue(
+            any(
+                own > size
+                for own, size in zip(
+                    second["own"], second["sizes"], strict=True
+                )
+            ),
+            msg=text,
+        )
+        for worker in (first, second):
+            for peak in worker["peaks"]:
+                self.assertLess(peak, 0.8 * worker["limit"], msg=text)
+            # The epoch trained every example exactly once, on one worker
+            # or the other, with no out-of-memory error.
+            self.assertEqual(worker["seen"], [1.0], msg=text)
+            self.assertEqual((worker["failures"], worker["events"]), (0, 0))
+
+    def test_fit_auto_on_shuffled_examples_grows_back_after_a_hold(self):
+        result = self._results["fit_held_shuffled"].result()
+        # The held step ran out; shuffled, its batch could not be read
+        # again, so every bucket halved and epoch 1 began again; with the
+        # memory let go, the buckets grew back as the next epoch began.
+        (event,) = result["events"]
+        self.assertEqual((event["epoch"], event["phase"]), (1, "training"))
+        self.assertIsNone(event["split_into"])
+        self.assertLess(event["batch_size_after"], event["batch_size_before"])
+        (grown,) = result["grown"]
+        self.assertEqual((grown["epoch"], grown["step"]), (2, 0), msg=result)
+        self.assertEqual(grown["batch_size_after"], event["batch_size_before"])
+        self.assertEqual(result["batch_size"], event["batch_size_before"])
+        # Each example once an epoch: epoch 1's first steps were put back.
+        self.assertEqual(result["seen"], [3.0], msg=result)
+        self.assertEqual(result["epochs"], 3)
 
 
 def plan_with_a_bad_length_on_the_second_worker():
