@@ -369,7 +369,7 @@ def memory_buckets(
     else:
         lengths = read_lengths()
         if bucket_boundaries is None:
-            boundaries = _lengths.default_boundaries(lengths)
+            boundaries = _lengths.candidate_boundaries(lengths)
         else:
             boundaries = _lengths.checked_boundaries(bucket_boundaries, lengths)
         counts = _lengths.bucket_counts(boundaries, lengths)

@@ -143,17 +143,11 @@ def round_up(length: int) -> int:
     return -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
 
 
-def default_boundaries(lengths) -> list[int]:
-    """Padded lengths of 8k, each at least 1.5 times the last, plus one;
-    only those of buckets that hold an example."""
-    candidates = candidate_boundaries(lengths)
-    counts = bucket_counts(candidates, lengths)
-    return [b for b, c in zip(candidates, counts, strict=True) if c]
-
-
 def candidate_boundaries(lengths) -> list[int]:
-    """Every default boundary from the shortest to the longest of
-    `lengths`, empty buckets included."""
+    """The default boundaries: padded lengths of 8k, each at least 1.5
+    times the last, plus one, from the shortest to the longest of
+    `lengths` (empty buckets included: `memory_buckets` leaves them out
+    once it has counted)."""
     longest = round_up(max(int(lengths.max()), 1))
     padded = [min(round_up(max(int(lengths.min()), 1)), longest)]
     while padded[-1] < longest:
