@@ -13,6 +13,7 @@ exact step.
 import concurrent.futures
 import csv
 import dataclasses
+import logging as std_logging
 import os
 import tempfile
 import warnings
@@ -21,6 +22,7 @@ import _models
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
@@ -444,6 +446,57 @@ def xla_batch_search_under_cap():
     return {"error": None}
 
 
+class _Messages(std_logging.Handler):
+    """The absl messages logged while it is added."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+def fixed_shape_batch_search_under_cap():
+    """`find_max_batch_size` on a transformer at a fixed length and batch
+    shape, then plain `model.fit` at the size found.
+
+    At such shapes Grappler rewrites attention's summed input gradient into
+    a temporary variable; without `without_per_step_variables` the first
+    trial that ran out left it behind, and the next trial raised
+    `AlreadyExistsError` (checked).
+    """
+    length = 512
+    model = testing.reference_model("transformer", (length,))
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 2000, (256, length)).astype("int32")
+    y = rng.integers(0, 4, 256).astype("int32")
+    rows = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+    messages = _Messages()
+    logging.set_verbosity(logging.INFO)  # Its trials' errors are INFO.
+    logging.get_absl_logger().addHandler(messages)
+    try:
+        size = tfmemsafe.find_max_batch_size(
+            model,
+            lambda batch_size: rows.batch(batch_size, drop_remainder=True),
+            max_batch_size=20,
+        )
+    except (tf.errors.OpError, tfmemsafe.OutOfMemoryError) as err:
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+    finally:
+        logging.get_absl_logger().removeHandler(messages)
+    fixed = tf.data.Dataset.from_tensor_slices((x, y))
+    history = model.fit(
+        fixed.batch(size, drop_remainder=True), steps_per_epoch=2, verbose=0
+    )
+    return {
+        "error": None,
+        "size": size,
+        "ran_out": [m for m in messages.seen if "ran out of memory" in m],
+        "loss": history.history["loss"][-1],
+    }
+
+
 class _StateAtEpochEnd(keras.callbacks.Callback):
     """Host copies of some variables at the end of the latest epoch."""
 
@@ -609,6 +662,7 @@ _SCENARIOS = {
     conv_net_under_cap: _CAP_MB,
     xla_model_under_cap: _CAP_MB,
     xla_batch_search_under_cap: _CAP_MB,
+    fixed_shape_batch_search_under_cap: 400,
     accumulating_model_under_cap: _CAP_MB,
     model_too_big_for_the_cap: _CAP_MB,
     predict_and_evaluate_under_cap: _CAP_MB,
@@ -1258,6 +1312,13 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertStartsWith(
             result["error"], "Out of memory in a step compiled with XLA"
         )
+
+    def test_a_failed_trial_leaves_nothing_that_breaks_the_next(self):
+        result = self.result(fixed_shape_batch_search_under_cap)
+        self.assertIsNone(result["error"], msg=result)
+        self.assertNotEmpty(result["ran_out"], msg=result)
+        self.assertBetween(result["size"], 1, 19)
+        self.assertTrue(np.isfinite(result["loss"]), msg=result)
 
     def test_fit_finishes_every_epoch_where_plain_fit_runs_out(self):
         result = self.result(conv_net_under_cap)

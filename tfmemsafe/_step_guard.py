@@ -35,6 +35,10 @@ makes that knowable:
   variables, the non-trainable variables of trainable layers such as
   moving statistics, random seed states), taken before each step by
   `save_small_state()` and put back by `restore_small_state()`.
+- No per-step variables: while it is installed, steps run without
+  Grappler's `AddN` rewrite, whose temporary variable a failed step
+  leaves behind for every later step to trip on
+  (`without_per_step_variables`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ import weakref
 
 import keras
 import tensorflow as tf
+
+from tfmemsafe._per_step_variables import without_per_step_variables
 
 # The guard installed on each model, if any.
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -87,6 +93,8 @@ class StepGuard:
         # A step Keras traced before (an earlier `model.fit`) has neither
         # barrier nor order: traced again at the next call.
         model.train_function = None
+        self._options = contextlib.ExitStack()
+        self._options.enter_context(without_per_step_variables())
         _INSTALLED[model] = self
 
     @staticmethod
@@ -218,6 +226,7 @@ class StepGuard:
             vars(owner).pop(name, None)
         self._patched = []
         self.model.train_function = None
+        self._options.close()
         if _INSTALLED.get(self.model) is self:
             del _INSTALLED[self.model]
 

@@ -6,6 +6,8 @@ steps at one size, reads the peak memory and puts the model back as it was.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 from absl import logging
 
@@ -13,6 +15,7 @@ from tfmemsafe import _checks
 from tfmemsafe import _messages
 from tfmemsafe import memory
 from tfmemsafe._model_state import Snapshot
+from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
@@ -190,6 +193,9 @@ class _Trial:
             model(source.sample_inputs(), training=False)
         self.snapshot = Snapshot(model)
         self.history = getattr(model, "history", None)
+        # A failed trial must not break the next (see `_per_step_variables`).
+        self._options = contextlib.ExitStack()
+        self._options.enter_context(without_per_step_variables())
         with model.distribute_strategy.scope():
             self.devices = memory.default_devices()
         self.limits = {
@@ -288,6 +294,7 @@ class _Trial:
             self.model.history = self.history
             release(self.model)
         self.snapshot.close()
+        self._options.close()
 
 
 def _round_down(size: int, multiple: int, good: int) -> int:
