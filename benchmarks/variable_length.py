@@ -24,8 +24,7 @@ epoch, so the batch that runs out cannot be read again to be split:
 every bucket halves, the epoch begins again, and the buckets grow back
 as the next epoch begins. Its table gives each epoch's tokens per
 second, and epochs 4 and 5's (after the hold) against epoch 2's (before
-it; epoch 1 traces the steps, and so does epoch 4 again: recovery drops
-the traced step).
+it; epoch 1 traces the steps).
 
 Each way trains in a fresh process under the cap, the three in turn for
 `--rounds` rounds. The table gives the tokens (not padding) trained per

@@ -782,6 +782,33 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertIsNone(event.accumulation_steps)
 
+    def test_recovery_keeps_the_traced_step(self):
+        # A failed call leaves nothing in it; a new one would trace every
+        # shape again (a size that grows back, each bucket's).
+        class Functions(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self.seen.append(self.model.train_function)
+
+        x, y = _models.table()
+        functions = Functions()
+        history = tfmemsafe.fit(
+            _models.dense_model(),
+            (x, y),
+            batch_size=32,
+            epochs=2,
+            callbacks=[
+                testing.SimulatedOutOfMemory(("train", 0, 2)),
+                functions,
+            ],
+            verbose=0,
+        )
+        self.assertLen(history.oom_events, 1)
+        self.assertLen({id(function) for function in functions.seen}, 1)
+
     def test_resumed_epoch_restores_loss_scale_optimizer_state(self):
         x, y = _models.table()
 

@@ -320,8 +320,7 @@ class Probe:
         A step's peak is its growth over what was in use before the
         steps, plus the model's state (and the arrays, for array data).
         After an error, the steps that ended before it are in the lists,
-        and the failed steps' functions are dropped, so that their
-        memory is free again.
+        and what the failed steps held is collected.
         """
         # What the previous probe's `fit` left (its iterator, a copy of the
         # data) must not count in this one's peak, nor in its baseline.
@@ -335,9 +334,6 @@ class Probe:
             if not memory.is_oom_error(err):
                 raise
             error = err
-            self.model.train_function = None
-            self.model.test_function = None
-            self.model.predict_function = None
             gc.collect()
         counted = self.state_bytes + self.data_bytes
         peaks = {

@@ -43,8 +43,8 @@ def retry_on_oom(
     (`ModelUnusableError`, see `_refuse_xla_on_cpu`).
 
     Args:
-        model: keras.Model. The model whose compiled functions are dropped
-            after each failure (they are traced again at the new shapes).
+        model: keras.Model. The model trained: what a failed attempt
+            leaves in it is released after each failure (`release`).
         attempt: Callable. One try of the job; its result is returned.
         on_oom: Callable. Called with the out-of-memory error, inside the
             `except` block: halves the batch of the phase that failed
@@ -113,10 +113,12 @@ def _refuse_xla_on_cpu(model: keras.Model, err: Exception) -> None:
 
 
 def release(model: keras.Model) -> None:
-    """Drops what a failed attempt may hold, so its memory can be reused."""
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None
+    """Drops what a failed attempt may hold, so its memory can be reused.
+
+    The traced train, test and predict functions stay: a failed call
+    leaves nothing in them (`without_per_step_variables`), they trace the
+    new shapes as they come, and a size that grows back finds its trace.
+    """
     # Keras' cached validation iterator; Keras has no public way to drop it.
     model._eval_epoch_iterator = None
     gc.collect()
