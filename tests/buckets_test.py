@@ -500,6 +500,23 @@ def plan_with_a_bad_length_on_the_second_worker():
     return None
 
 
+def plan_with_a_too_long_example_on_the_second_worker():
+    """`memory_buckets` on a two-worker job, from a hand-built estimate,
+    whose second worker alone has an example that fits in no batch."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = testing.reference_model("gru", (None,))
+    longest = 100 if distribute.worker_index(strategy) == 0 else 2_000_000
+    data, _ = _sequences(count=40, longest=longest)
+    try:
+        tfmemsafe.data.memory_buckets(
+            _labelled(data), model, estimate=_estimate()
+        )
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 class MultiWorkerTest(tf.test.TestCase):
     def test_a_worker_that_cannot_plan_stops_every_worker(self):
         first, second = testing.run_workers(
@@ -511,6 +528,15 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertStartsWith(
             second, "ValueError: `length_fn` must return lengths >= 0"
         )
+
+    def test_every_worker_names_the_longest_example_of_the_job(self):
+        errors = testing.run_workers(
+            plan_with_a_too_long_example_on_the_second_worker, 2, timeout=120
+        )
+        for error in errors:
+            self.assertStartsWith(
+                error, "`dataset` holds an example of length 2000000,"
+            )
 
     def test_the_copy_measured_must_be_made_outside_the_scope(self):
         model = testing.reference_model("gru", (None,))

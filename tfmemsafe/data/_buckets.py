@@ -363,11 +363,12 @@ def memory_buckets(
     if workers:
         # Every worker the same buckets, from every worker's lengths (an
         # error reading this worker's makes every worker raise).
-        boundaries, counts, lengths = _workers.agreed_buckets(
+        boundaries, counts, lengths, longest = _workers.agreed_buckets(
             strategy, read_lengths, bucket_boundaries
         )
     else:
         lengths = read_lengths()
+        longest = int(lengths.max())
         if bucket_boundaries is None:
             boundaries = _lengths.candidate_boundaries(lengths)
         else:
@@ -407,7 +408,7 @@ def memory_buckets(
     else:
         estimate, held, sizes = _planned(*arguments)
     if not all(sizes):
-        _raise_too_long(lengths, estimate, held, sizing)
+        _raise_too_long(longest, estimate, held, sizing)
     peaks = [
         estimate.peak_bytes(size, length=length) + held
         for length, size in zip(padded, sizes, strict=True)
@@ -698,8 +699,8 @@ def _check_every_input_varies(dataset) -> None:
         )
 
 
-def _raise_too_long(lengths, estimate, held, sizing):
-    longest = int(lengths.max())
+def _raise_too_long(longest: int, estimate, held, sizing):
+    """Says that the job's longest example fits in no batch."""
     multiple, headroom = sizing.multiple, sizing.headroom
 
     def fits(length):

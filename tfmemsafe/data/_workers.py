@@ -93,9 +93,9 @@ def agreed_buckets(strategy, lengths, bucket_boundaries):
         bucket_boundaries: The user's, unchecked, or `None`.
 
     Returns:
-        `(boundaries, counts, lengths)`: the boundaries of the buckets any
-        worker has examples in, each bucket's largest count on a worker,
-        and this worker's lengths.
+        `(boundaries, counts, lengths, longest)`: the boundaries of the
+        buckets any worker has examples in, each bucket's largest count on
+        a worker, this worker's lengths, and the longest example of any.
     """
     mine = {}
 
@@ -115,7 +115,8 @@ def agreed_buckets(strategy, lengths, bucket_boundaries):
 
     most = exchanged(strategy, counts, len(candidates)).max(axis=0)
     kept = [(b, int(c)) for b, c in zip(candidates, most, strict=True) if c]
-    return [b for b, _ in kept], [c for _, c in kept], mine["lengths"]
+    boundaries, counts = [b for b, _ in kept], [c for _, c in kept]
+    return boundaries, counts, mine["lengths"], int(extreme[1])
 
 
 def agreed_sizes(strategy, sizes, width: int) -> list[int]:
