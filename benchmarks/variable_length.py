@@ -16,15 +16,18 @@ real allocator cap (`tfmemsafe.testing.run_with_memory_cap`), for
 - memory: `tfmemsafe.data.bucket_by_memory(examples, model)`, its
   planning (the length pass and its probes) counted.
 
-With `--held`, a fourth run: `tfmemsafe.fit(examples,
-batch_size="auto")` for five epochs, the allocator filled by something
-else (`tfmemsafe.testing.HeldMemory`) at epoch 3, step `--hold_step`,
-and let go at the next step. The examples come in a new order each
-epoch, so the batch that runs out cannot be read again to be split:
-every bucket halves, the epoch begins again, and the buckets grow back
-as the next epoch begins. Its table gives each epoch's tokens per
-second, and epochs 4 and 5's (after the hold) against epoch 2's (before
-it; epoch 1 traces the steps).
+With `--held`, then, for `--rounds` rounds, two more runs side by side:
+`tfmemsafe.fit(examples, batch_size="auto")` for five epochs, once with
+the allocator filled by something else (`tfmemsafe.testing.HeldMemory`)
+at epoch 3, step `--hold_step`, and let go at the next step, and once
+with nothing held. The examples come in a new order each epoch, so the
+batch that runs out cannot be read again to be split: every bucket
+halves, the epoch begins again, and the buckets grow back as the next
+epoch begins. Its table gives each epoch's tokens per second in both
+runs and their ratio: an epoch's throughput on this machine moves by
+more than the hold's effect from one epoch to the next, so epochs 4 and
+5 (after the hold) are set beside the same epochs with nothing held,
+not beside epoch 2. `--nobatching` skips the three ways.
 
 Each way trains in a fresh process under the cap, the three in turn for
 `--rounds` rounds. The table gives the tokens (not padding) trained per
@@ -52,6 +55,9 @@ _CAP_MB = flags.DEFINE_integer("cap_mb", 400, "The allocator's limit in MB.")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of the three ways.")
 _HELD = flags.DEFINE_bool(
     "held", False, "Also train with memory held for a while mid-training."
+)
+_BATCHING = flags.DEFINE_bool(
+    "batching", True, "Measure the three ways (off: only the --held runs)."
 )
 _HOLD_STEP = flags.DEFINE_integer(
     "hold_step", 5, "The step of epoch 3 at which memory is held."
@@ -158,8 +164,9 @@ def run_way(way, name, count, median, longest, epochs, found):
 
 def run_held(name, count, median, longest, hold_step):
     """`tfmemsafe.fit(batch_size="auto")` for five epochs with memory held
-    at epoch 3, step `hold_step` until the next step, in this capped
-    process; returns each epoch's timings and what recovery did."""
+    at epoch 3, step `hold_step` until the next step (`None`: nothing
+    held), in this capped process; returns each epoch's timings and what
+    recovery did."""
     import keras
 
     import tfmemsafe
@@ -188,7 +195,9 @@ def run_held(name, count, median, longest, hold_step):
             batch_size="auto",
             epochs=5,
             grow_back_after=5,
-            callbacks=[testing.HeldMemory(2, hold_step), timer],
+            callbacks=[timer]
+            if hold_step is None
+            else [testing.HeldMemory(2, hold_step), timer],
             verbose=0,
         )
     return {
@@ -203,9 +212,19 @@ def run_held(name, count, median, longest, hold_step):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    shape = [_SEQUENCES.value, _MEDIAN.value, _LONGEST.value]
+    if not (_BATCHING.value or _HELD.value):
+        raise app.UsageError("Nothing to measure: --nobatching, no --held.")
+    if _BATCHING.value:
+        _batchings(shape)
+    if _HELD.value:
+        _helds(shape)
+
+
+def _batchings(shape):
+    """The three ways, `--rounds` rounds, and their table."""
     from tfmemsafe import testing
 
-    shape = [_SEQUENCES.value, _MEDIAN.value, _LONGEST.value]
     found = testing.run_with_memory_cap(
         search_sizes, _CAP_MB.value, args=[_MODEL.value, *shape], timeout=3600
     )
@@ -261,39 +280,64 @@ def main(argv):
             f"{sum(bool(r['died']) for r in rows)} of {len(rows)} |"
         )
 
-    if _HELD.value:
-        _print_held(
-            testing.run_with_memory_cap(
+
+def _helds(shape):
+    """Held and nothing held, `--rounds` rounds in turn, and the table."""
+    from tfmemsafe import testing
+
+    runs = {"held": [], "free": []}
+    for round_index in range(_ROUNDS.value):
+        order = ("held", "free") if round_index % 2 == 0 else ("free", "held")
+        for kind in order:
+            step = _HOLD_STEP.value if kind == "held" else None
+            result = testing.run_with_memory_cap(
                 run_held,
                 _CAP_MB.value,
-                args=[_MODEL.value, *shape, _HOLD_STEP.value],
+                args=[_MODEL.value, *shape, step],
                 timeout=7200,
             )
-        )
+            print(f"{kind}: {result}", flush=True)
+            runs[kind].append(result)
+    _print_held(runs)
 
 
-def _print_held(result):
+def _print_held(runs):
+    held, free = runs["held"], runs["free"]
     print()
     print(
         f"Memory held at epoch 3, step {_HOLD_STEP.value}, until the next "
-        f"step: {'; '.join(result['events'])}; "
-        f"{'; '.join(result['grown']) or 'never grew back'}; "
-        f"{result['failures']} allocator OOMs."
+        f"step, against nothing held; {len(held)} round(s) (medians; "
+        "ratios per round)."
     )
-    print("| epoch | tokens/s (wall) | tokens/s (CPU) |")
-    print("| ---: | ---: | ---: |")
-    for index, (wall, cpu) in enumerate(result["epochs"], 1):
+    for result in held:
         print(
-            f"| {index} | {result['tokens'] / wall:,.0f} | "
-            f"{result['tokens'] / cpu:,.0f} |"
+            f"Held: {'; '.join(result['events'])}; "
+            f"{'; '.join(result['grown']) or 'never grew back'}; "
+            f"{result['failures']} allocator OOMs."
         )
-    before_wall, before_cpu = result["epochs"][1]
-    for epoch in (4, 5):
-        wall, cpu = result["epochs"][epoch - 1]
+    print(
+        "| epoch | held tokens/s (wall) | nothing held | held / nothing "
+        "held (wall) | (CPU) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for index in range(len(held[0]["epochs"])):
+
+        def rate(result, which, index=index):
+            return result["tokens"] / result["epochs"][index][which]
+
+        ratios = [
+            [
+                rate(h, which) / rate(f, which)
+                for h, f in zip(held, free, strict=True)
+            ]
+            for which in (0, 1)
+        ]
+        note = {2: " (held)", 3: " (after)", 4: " (after)"}.get(index, "")
         print(
-            f"Epoch {epoch} (after the hold) against epoch 2 (before it): "
-            f"{before_wall / wall:.2f}x (wall), {before_cpu / cpu:.2f}x "
-            "(CPU)."
+            f"| {index + 1}{note} | "
+            f"{statistics.median(rate(h, 0) for h in held):,.0f} | "
+            f"{statistics.median(rate(f, 0) for f in free):,.0f} | "
+            f"{_spread(ratios[0])} | {_spread(ratios[1])} |"
         )
 
 
