@@ -52,7 +52,9 @@ _MEDIAN = flags.DEFINE_integer("median", 64, "Median length, in tokens.")
 _LONGEST = flags.DEFINE_integer("longest", 1024, "The longest sequence.")
 _EPOCHS = flags.DEFINE_integer("epochs", 1, "Epochs per way.")
 _CAP_MB = flags.DEFINE_integer("cap_mb", 400, "The allocator's limit in MB.")
-_ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of the three ways.")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 1, "Rounds of the three ways, and of the --held pair."
+)
 _HELD = flags.DEFINE_bool(
     "held", False, "Also train with memory held for a while mid-training."
 )

@@ -463,8 +463,10 @@ def fixed_shape_batch_search_under_cap():
 
     At such shapes Grappler rewrites attention's summed input gradient into
     a temporary variable; without `without_per_step_variables` the first
-    trial that ran out left it behind, and the next trial raised
-    `AlreadyExistsError` (checked).
+    trial, which runs out, left it behind, and the next trace at a fixed
+    shape raised `AlreadyExistsError`: here plain `model.fit`'s, traced
+    afresh as after `compile` (the trials' own later steps reuse Keras'
+    trace for any batch size, which Grappler does not rewrite).
     """
     length = 512
     model = testing.reference_model("transformer", (length,))
@@ -486,6 +488,7 @@ def fixed_shape_batch_search_under_cap():
     finally:
         logging.get_absl_logger().removeHandler(messages)
     fixed = tf.data.Dataset.from_tensor_slices((x, y))
+    model.train_function = None  # A fresh trace, at the fixed shape.
     history = model.fit(
         fixed.batch(size, drop_remainder=True), steps_per_epoch=2, verbose=0
     )

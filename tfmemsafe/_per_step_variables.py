@@ -62,10 +62,18 @@ def without_per_step_variables():
         if _SCOPES.depth == 0:
             found, changed = _SCOPES.found, _SCOPES.set
             _SCOPES.found = _SCOPES.set = None
-            if changed is not None:
-                context = _context()
-                if context.function_call_options is changed:
-                    context.function_call_options = found
+            if changed is not None and _unchanged_since(changed):
+                _context().function_call_options = found
+
+
+def _unchanged_since(changed) -> bool:
+    """Whether the thread's options are still the ones set (or a copy of
+    them, as TensorFlow's `function_executor_type` puts back)."""
+    current = _context().function_call_options
+    return (
+        current.executor_type == changed.executor_type
+        and current.config_proto_serialized == changed.config_proto_serialized
+    )
 
 
 def _context():

@@ -93,9 +93,10 @@ class StepGuard:
         # A step Keras traced before (an earlier `model.fit`) has neither
         # barrier nor order: traced again at the next call.
         model.train_function = None
+        _INSTALLED[model] = self
+        # Last: nothing after it can raise and leave it entered.
         self._options = contextlib.ExitStack()
         self._options.enter_context(without_per_step_variables())
-        _INSTALLED[model] = self
 
     @staticmethod
     def installed_on(model) -> bool:
@@ -222,13 +223,15 @@ class StepGuard:
 
     def close(self) -> None:
         """Removes the barrier (and the step traced with it)."""
-        for owner, name in self._patched:
-            vars(owner).pop(name, None)
-        self._patched = []
-        self.model.train_function = None
-        self._options.close()
-        if _INSTALLED.get(self.model) is self:
-            del _INSTALLED[self.model]
+        try:
+            for owner, name in self._patched:
+                vars(owner).pop(name, None)
+            self._patched = []
+            self.model.train_function = None
+            if _INSTALLED.get(self.model) is self:
+                del _INSTALLED[self.model]
+        finally:
+            self._options.close()
 
     def _save_eagerly(self):
         for copy, variable in zip(self._copies, self._small, strict=True):

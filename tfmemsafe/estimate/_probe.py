@@ -29,6 +29,7 @@ What makes a reading the same in every process, whatever ran before:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 
@@ -43,6 +44,7 @@ from tfmemsafe._messages import mib
 from tfmemsafe._model_state import ModelState
 from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
+from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
@@ -231,18 +233,6 @@ class Probe:
             model(source.sample_inputs(), training=False)
         self.state = ModelState(model)
         self.guard = None
-        if (
-            guarded
-            and phase == "training"
-            and not StepGuard.installed_on(model)
-        ):
-            # The step as `tfmemsafe.fit` trains it: its updates wait for
-            # every gradient and run one after another. Released at once,
-            # they peak at some steps by one more copy of the largest
-            # variable than at others (11-13% spread on an MLP's probes).
-            self.guard = StepGuard(
-                model, optimizers_of(model), gradient_accumulators_of(model)
-            )
         self.state_bytes = state_bytes(model)
         self.data_bytes = 0
         self._arrays = None
@@ -267,6 +257,23 @@ class Probe:
             self.data_bytes = source.resident_bytes()
         self.window = memory.PeakWindow(devices)
         self.tried = []
+        # Last, so that nothing after them can raise and leave them on.
+        if (
+            guarded
+            and phase == "training"
+            and not StepGuard.installed_on(model)
+        ):
+            # The step as `tfmemsafe.fit` trains it: its updates wait for
+            # every gradient and run one after another. Released at once,
+            # they peak at some steps by one more copy of the largest
+            # variable than at others (11-13% spread on an MLP's probes).
+            self.guard = StepGuard(
+                model, optimizers_of(model), gradient_accumulators_of(model)
+            )
+        # A probe that runs out must not break the next: at a fixed batch
+        # shape Grappler's `AddN` rewrite would (`_per_step_variables`).
+        self._options = contextlib.ExitStack()
+        self._options.enter_context(without_per_step_variables())
 
     def room_for(self, peak_bytes: float) -> bool:
         """Whether `peak_bytes` of this model's fits beside what is in use."""
@@ -386,11 +393,14 @@ class Probe:
         return indices.map(gather).take(_PROBE_STEPS)
 
     def close(self) -> None:
-        if self.guard is not None:
-            self.guard.close()
-        self.state.restore()
-        self.state.close()
-        self._arrays = None
+        try:
+            if self.guard is not None:
+                self.guard.close()
+            self.state.restore()
+            self.state.close()
+            self._arrays = None
+        finally:
+            self._options.close()
 
 
 def _copied(array):

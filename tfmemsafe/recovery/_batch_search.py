@@ -61,7 +61,7 @@ def find_max_batch_size(
 
     The model's weights, optimizer state (including the iteration count
     and a `LossScaleOptimizer`'s scale) and random-seed state are put back
-    exactly as they were found; the compiled functions are dropped.
+    exactly as they were found.
 
     Without memory statistics (a CPU without `TF_CPU_ALLOCATOR_USE_BFC`)
     only out-of-memory errors and `max_batch_size` bound the search.
@@ -193,9 +193,6 @@ class _Trial:
             model(source.sample_inputs(), training=False)
         self.snapshot = Snapshot(model)
         self.history = getattr(model, "history", None)
-        # A failed trial must not break the next (see `_per_step_variables`).
-        self._options = contextlib.ExitStack()
-        self._options.enter_context(without_per_step_variables())
         with model.distribute_strategy.scope():
             self.devices = memory.default_devices()
         self.limits = {
@@ -207,6 +204,10 @@ class _Trial:
         # False after an error that leaves the model unusable: nothing is
         # put back then, as that would use it.
         self.usable = True
+        # A failed trial must not break the next (`_per_step_variables`);
+        # last, so that nothing after it can raise and leave it entered.
+        self._options = contextlib.ExitStack()
+        self._options.enter_context(without_per_step_variables())
 
     def fits(self, batch_size: int, last_chance: bool = False) -> bool:
         """Whether `batch_size` trains and leaves the headroom free.
@@ -289,12 +290,14 @@ class _Trial:
         )
 
     def close(self) -> None:
-        if self.usable:
-            self.snapshot.restore()
-            self.model.history = self.history
-            release(self.model)
-        self.snapshot.close()
-        self._options.close()
+        try:
+            if self.usable:
+                self.snapshot.restore()
+                self.model.history = self.history
+                release(self.model)
+            self.snapshot.close()
+        finally:
+            self._options.close()
 
 
 def _round_down(size: int, multiple: int, good: int) -> int:

@@ -64,9 +64,9 @@ def fit(
 
     1. logs one line: the epoch, the step, the batch size before and after
        and the accumulation steps (see 3 for the size after);
-    2. frees what it can: the failed iterator, the compiled train, test and
-       predict functions (they are traced again at the new shapes), and
-       Python garbage;
+    2. frees what it can: the failed iterator and Python garbage (the
+       traced train, test and predict functions stay, and trace the new
+       shapes as they come);
     3. halves the batch size of the phase that failed, or, when a memory
        estimate of the phase's step (`tfmemsafe.estimate_memory`, made
        now if not before) predicts that half still does not fit, jumps

@@ -19,6 +19,7 @@ import keras
 
 from tfmemsafe import _checks
 from tfmemsafe import memory
+from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._planner import SizePlanner
@@ -116,8 +117,9 @@ def release(model: keras.Model) -> None:
     """Drops what a failed attempt may hold, so its memory can be reused.
 
     The traced train, test and predict functions stay: a failed call
-    leaves nothing in them (`without_per_step_variables`), they trace the
-    new shapes as they come, and a size that grows back finds its trace.
+    leaves nothing in them (every call that tfmemsafe retries runs
+    `without_per_step_variables`), they trace the new shapes as they
+    come, and a size that grows back finds its trace.
     """
     # Keras' cached validation iterator; Keras has no public way to drop it.
     model._eval_epoch_iterator = None
@@ -194,7 +196,9 @@ class SinglePhase:
             )
             return self.policy.halve(self.phase, err)
 
-        result = retry_on_oom(self.model, attempt, on_oom, recover)
+        # A failed call must not break the retry (`_per_step_variables`).
+        with without_per_step_variables():
+            result = retry_on_oom(self.model, attempt, on_oom, recover)
         self.planner.record_trained(self.phase, self.source, self.batch_size)
         return result
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfmemsafe import _checks
 from tfmemsafe import memory
+from tfmemsafe._per_step_variables import without_per_step_variables
 
 
 class AllocatorFailures:
@@ -96,7 +97,9 @@ def training_peak_bytes(
     `data(batch_size)` with `model.fit`, and reads the allocator's peak
     (`tfmemsafe.memory_info`). The model's compiled train function is
     dropped afterwards, so that the next call at another size traces
-    afresh, as `tfmemsafe.estimate_memory`'s probes do.
+    afresh at its shape; the steps run without Grappler's `AddN` rewrite,
+    as tfmemsafe's own do, so that a call that runs out leaves nothing to
+    break the next.
 
     Args:
         model: keras.Model. A compiled model; it trains, so its weights
@@ -120,7 +123,8 @@ def training_peak_bytes(
     steps = _checks.integer("steps", steps, 1)
     memory.reset_peak_memory()
     try:
-        model.fit(data(batch_size).take(steps), verbose=0)
+        with without_per_step_variables():
+            model.fit(data(batch_size).take(steps), verbose=0)
     except tf.errors.ResourceExhaustedError:
         return None
     finally:
