@@ -2,10 +2,7 @@
 
 The barrier and its marker are tested through `fit` in recovery_test and
 resume_test; here, that the updates it releases run one after another,
-read from the traced step's graph, and what that does to the step's peak;
-and that steps run without Grappler's `AddN` rewrite while it is
-installed (`_per_step_variables.py`; what the rewrite did after an error
-is recovery_test's `fixed_shape_batch_search_under_cap`).
+read from the traced step's graph, and what that does to the step's peak.
 """
 
 import itertools
@@ -15,11 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.core.protobuf import rewriter_config_pb2
-from tensorflow.python.eager import context
 
-from tfmemsafe import _per_step_variables
 from tfmemsafe import _step_guard
 
 _ASSIGNMENTS = (
@@ -222,40 +215,6 @@ class PeakTest(tf.test.TestCase):
         self.assertLessEqual(
             max(ordered), np.median(plain) + 1, msg=(plain, ordered)
         )
-
-
-def _memory_optimization():
-    options = context.context().function_call_options
-    config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
-    return config.graph_options.rewrite_options.memory_optimization
-
-
-class PerStepVariablesTest(tf.test.TestCase):
-    def test_scopes_turn_the_rewrite_off_and_the_outermost_puts_it_back(self):
-        rewriter = rewriter_config_pb2.RewriterConfig
-        found = context.context().function_call_options
-        self.assertEqual(_memory_optimization(), rewriter.DEFAULT_MEM_OPT)
-        with _per_step_variables.without_per_step_variables():
-            with _per_step_variables.without_per_step_variables():
-                self.assertEqual(
-                    _memory_optimization(), rewriter.SWAPPING_HEURISTICS
-                )
-            self.assertEqual(
-                _memory_optimization(), rewriter.SWAPPING_HEURISTICS
-            )
-        self.assertIs(context.context().function_call_options, found)
-
-    def test_installed_guard_turns_the_rewrite_off_until_closed(self):
-        rewriter = rewriter_config_pb2.RewriterConfig
-        model = _model()
-        guard = _step_guard.StepGuard(model, [keras.optimizers.SGD()], [])
-        try:
-            self.assertEqual(
-                _memory_optimization(), rewriter.SWAPPING_HEURISTICS
-            )
-        finally:
-            guard.close()
-        self.assertEqual(_memory_optimization(), rewriter.DEFAULT_MEM_OPT)
 
 
 if __name__ == "__main__":

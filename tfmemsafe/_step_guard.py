@@ -35,10 +35,6 @@ makes that knowable:
   variables, the non-trainable variables of trainable layers such as
   moving statistics, random seed states), taken before each step by
   `save_small_state()` and put back by `restore_small_state()`.
-- No per-step variables: while it is installed, steps run without
-  Grappler's `AddN` rewrite, whose temporary variable a failed step
-  leaves behind for every later step to trip on
-  (`without_per_step_variables`).
 """
 
 from __future__ import annotations
@@ -49,8 +45,6 @@ import weakref
 
 import keras
 import tensorflow as tf
-
-from tfmemsafe._per_step_variables import without_per_step_variables
 
 # The guard installed on each model, if any.
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -94,9 +88,6 @@ class StepGuard:
         # barrier nor order: traced again at the next call.
         model.train_function = None
         _INSTALLED[model] = self
-        # Last: nothing after it can raise and leave it entered.
-        self._options = contextlib.ExitStack()
-        self._options.enter_context(without_per_step_variables())
 
     @staticmethod
     def installed_on(model) -> bool:
@@ -223,15 +214,12 @@ class StepGuard:
 
     def close(self) -> None:
         """Removes the barrier (and the step traced with it)."""
-        try:
-            for owner, name in self._patched:
-                vars(owner).pop(name, None)
-            self._patched = []
-            self.model.train_function = None
-            if _INSTALLED.get(self.model) is self:
-                del _INSTALLED[self.model]
-        finally:
-            self._options.close()
+        for owner, name in self._patched:
+            vars(owner).pop(name, None)
+        self._patched = []
+        self.model.train_function = None
+        if _INSTALLED.get(self.model) is self:
+            del _INSTALLED[self.model]
 
     def _save_eagerly(self):
         for copy, variable in zip(self._copies, self._small, strict=True):

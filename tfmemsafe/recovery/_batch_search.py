@@ -6,8 +6,6 @@ steps at one size, reads the peak memory and puts the model back as it was.
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 from absl import logging
 
@@ -15,7 +13,6 @@ from tfmemsafe import _checks
 from tfmemsafe import _messages
 from tfmemsafe import memory
 from tfmemsafe._model_state import Snapshot
-from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
@@ -204,10 +201,6 @@ class _Trial:
         # False after an error that leaves the model unusable: nothing is
         # put back then, as that would use it.
         self.usable = True
-        # A failed trial must not break the next (`_per_step_variables`);
-        # last, so that nothing after it can raise and leave it entered.
-        self._options = contextlib.ExitStack()
-        self._options.enter_context(without_per_step_variables())
 
     def fits(self, batch_size: int, last_chance: bool = False) -> bool:
         """Whether `batch_size` trains and leaves the headroom free.
@@ -290,14 +283,11 @@ class _Trial:
         )
 
     def close(self) -> None:
-        try:
-            if self.usable:
-                self.snapshot.restore()
-                self.model.history = self.history
-                release(self.model)
-            self.snapshot.close()
-        finally:
-            self._options.close()
+        if self.usable:
+            self.snapshot.restore()
+            self.model.history = self.history
+            release(self.model)
+        self.snapshot.close()
 
 
 def _round_down(size: int, multiple: int, good: int) -> int:

@@ -41,7 +41,10 @@ def retry_on_oom(
     Any error that `memory.is_oom_error` does not recognise, and
     `KeyboardInterrupt`, propagates at once, unchanged. An out-of-memory
     error of a model compiled with XLA on the CPU is not retried
-    (`ModelUnusableError`, see `_refuse_xla_on_cpu`).
+    (`ModelUnusableError`, see `_refuse_xla_on_cpu`). Attempts and
+    recoveries run without Grappler's `AddN` rewrite, whose leftovers
+    would make every attempt after a failed one fail
+    (`without_per_step_variables`).
 
     Args:
         model: keras.Model. The model trained: what a failed attempt
@@ -60,18 +63,20 @@ def retry_on_oom(
     Returns:
         The result of the first attempt that finished, or of `recover`.
     """
-    while True:
-        try:
-            return attempt()
-        except Exception as err:
-            if not memory.is_oom_error(err):
-                raise
-            _refuse_xla_on_cpu(model, err)
-            failure = on_oom(err)
-        release(model)
-        result = recover(failure)
-        if result is not None:
-            return result
+    # A failed attempt must not break the next (`_per_step_variables`).
+    with without_per_step_variables():
+        while True:
+            try:
+                return attempt()
+            except Exception as err:
+                if not memory.is_oom_error(err):
+                    raise
+                _refuse_xla_on_cpu(model, err)
+                failure = on_oom(err)
+            release(model)
+            result = recover(failure)
+            if result is not None:
+                return result
 
 
 class ModelUnusableError(OutOfMemoryError):
@@ -196,9 +201,7 @@ class SinglePhase:
             )
             return self.policy.halve(self.phase, err)
 
-        # A failed call must not break the retry (`_per_step_variables`).
-        with without_per_step_variables():
-            result = retry_on_oom(self.model, attempt, on_oom, recover)
+        result = retry_on_oom(self.model, attempt, on_oom, recover)
         self.planner.record_trained(self.phase, self.source, self.batch_size)
         return result
 
