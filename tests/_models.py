@@ -13,6 +13,7 @@ from unittest import mock
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 import tfmemsafe
 from tfmemsafe import testing
@@ -180,3 +181,25 @@ def side_by_side(target, arguments, cap_mb=None) -> list:
 
     with concurrent.futures.ThreadPoolExecutor(len(arguments)) as pool:
         return list(pool.map(run, arguments))
+
+
+@contextlib.contextmanager
+def absl_messages(level="WARNING"):
+    """The absl messages at `level` (a level name) or above logged
+    inside, as a list.
+
+    For children, where `TestCase.assertLogs` is not at hand. INFO ones
+    are logged only at absl's INFO verbosity (`logging.set_verbosity`).
+    """
+    messages = []
+
+    class Handler(logging.logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Handler(level=level)
+    logging.get_absl_logger().addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.get_absl_logger().removeHandler(handler)

@@ -9,10 +9,10 @@ import sys
 import tempfile
 from unittest import mock
 
+import _models
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
@@ -49,28 +49,6 @@ def _data(count):
     rng = np.random.default_rng(0)
     x = rng.random((count, 32, 32, 3), dtype=np.float32)
     return x, rng.integers(0, 10, count)
-
-
-class _WarningRecorder:
-    """Collects the absl warnings logged while it is open."""
-
-    def __enter__(self):
-        self.messages = []
-        self._handler = _ListHandler(self.messages)
-        logging.get_absl_logger().addHandler(self._handler)
-        return self.messages
-
-    def __exit__(self, *exc_info):
-        logging.get_absl_logger().removeHandler(self._handler)
-
-
-class _ListHandler(logging.logging.Handler):
-    def __init__(self, messages):
-        super().__init__(level=logging.logging.WARNING)
-        self._messages = messages
-
-    def emit(self, record):
-        self._messages.append(record.getMessage())
 
 
 # Work run in fresh processes (environment read at TensorFlow's import).
@@ -136,7 +114,7 @@ def _warnings_under_cap(warn_at_values):
     x, y = _data(512)
     warnings = []
     for warn_at in warn_at_values:
-        with _WarningRecorder() as messages:
+        with _models.absl_messages() as messages:
             _conv_net().fit(
                 x,
                 y,
@@ -205,7 +183,7 @@ def _mirrored_fit():
 def _fit_without_allocator_statistics():
     x, y = _data(128)
     monitor = tfmemsafe.MemoryMonitor()
-    with _WarningRecorder() as messages:
+    with _models.absl_messages() as messages:
         history = _conv_net().fit(
             x, y, batch_size=32, epochs=2, verbose=0, callbacks=[monitor]
         )

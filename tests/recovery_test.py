@@ -13,7 +13,6 @@ exact step.
 import concurrent.futures
 import csv
 import dataclasses
-import logging as std_logging
 import os
 import tempfile
 import warnings
@@ -446,17 +445,6 @@ def xla_batch_search_under_cap():
     return {"error": None}
 
 
-class _Messages(std_logging.Handler):
-    """The absl messages logged while it is added."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def emit(self, record):
-        self.seen.append(record.getMessage())
-
-
 def fixed_shape_batch_search_under_cap():
     """`find_max_batch_size` on a transformer at a fixed length and batch
     shape, then plain `model.fit` at the size found.
@@ -474,19 +462,16 @@ def fixed_shape_batch_search_under_cap():
     x = rng.integers(1, 2000, (256, length)).astype("int32")
     y = rng.integers(0, 4, 256).astype("int32")
     rows = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    messages = _Messages()
     logging.set_verbosity(logging.INFO)  # Its trials' errors are INFO.
-    logging.get_absl_logger().addHandler(messages)
     try:
-        size = tfmemsafe.find_max_batch_size(
-            model,
-            lambda batch_size: rows.batch(batch_size, drop_remainder=True),
-            max_batch_size=20,
-        )
+        with _models.absl_messages("INFO") as messages:
+            size = tfmemsafe.find_max_batch_size(
+                model,
+                lambda batch_size: rows.batch(batch_size, drop_remainder=True),
+                max_batch_size=20,
+            )
     except (tf.errors.OpError, tfmemsafe.OutOfMemoryError) as err:
         return {"error": f"{type(err).__name__}: {err}"[:500]}
-    finally:
-        logging.get_absl_logger().removeHandler(messages)
     fixed = tf.data.Dataset.from_tensor_slices((x, y))
     model.train_function = None  # A fresh trace, at the fixed shape.
     history = model.fit(
@@ -495,7 +480,7 @@ def fixed_shape_batch_search_under_cap():
     return {
         "error": None,
         "size": size,
-        "ran_out": [m for m in messages.seen if "ran out of memory" in m],
+        "ran_out": [m for m in messages if "ran out of memory" in m],
         "loss": history.history["loss"][-1],
     }
 
