@@ -830,5 +830,38 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
             )
 
 
+class ProbeStartTest(tf.test.TestCase):
+    def test_a_probe_that_cannot_start_leaves_no_copy(self):
+        # Out of memory while it copies the arrays into the allocator.
+        from unittest import mock
+
+        from tfmemsafe import _sources
+        from tfmemsafe.estimate import _probe
+
+        model = _models.dense_model()
+        x = np.zeros((16, 4), "float32")
+        source = _sources.source_for(
+            (x, x[:, :1]), "x", labelled=True, strategy=None
+        )
+        made = []
+        original = _probe.ModelState
+
+        def recorded(model):
+            made.append(original(model))
+            return made[-1]
+
+        failing = mock.Mock(
+            side_effect=tf.errors.ResourceExhaustedError(None, None, "OOM")
+        )
+        with (
+            mock.patch.object(_probe, "ModelState", recorded),
+            mock.patch.object(_probe, "_copied", failing),
+            self.assertRaises(tf.errors.ResourceExhaustedError),
+        ):
+            _probe.Probe(model, source, ["CPU:0"])
+        self.assertLen(made, 1)
+        self.assertFalse(os.path.exists(made[0].copy.directory))
+
+
 if __name__ == "__main__":
     tf.test.main()

@@ -233,47 +233,55 @@ class Probe:
             model(source.sample_inputs(), training=False)
         self.state = ModelState(model)
         self.guard = None
-        self.state_bytes = state_bytes(model)
-        self.data_bytes = 0
-        self._arrays = None
-        if isinstance(source, _sources.Arrays):
-            # Copied once into the allocator, outside every probe's
-            # window, and counted: a tensor converted from NumPy may use
-            # the array's buffer in place or not, a 24 MiB swing between
-            # processes on a small conv net's data. From the run's
-            # tensors (`Arrays.tensors`): an op's copy raises when memory
-            # is short, where converting an array can end the process.
-            parts = source.tensors() or (
-                source.x,
-                source.y,
-                source.sample_weight,
-            )
-            self._arrays = tuple(
-                None
-                if part is None
-                else keras.tree.map_structure(_copied, part)
-                for part in parts
-            )
-            self.data_bytes = source.resident_bytes()
-        self.window = memory.PeakWindow(devices)
-        self.tried = []
-        # Last, so that nothing after them can raise and leave them on.
-        if (
-            guarded
-            and phase == "training"
-            and not StepGuard.installed_on(model)
-        ):
-            # The step as `tfmemsafe.fit` trains it: its updates wait for
-            # every gradient and run one after another. Released at once,
-            # they peak at some steps by one more copy of the largest
-            # variable than at others (11-13% spread on an MLP's probes).
-            self.guard = StepGuard(
-                model, optimizers_of(model), gradient_accumulators_of(model)
-            )
-        # A probe that runs out must not break the next: at a fixed batch
-        # shape Grappler's `AddN` rewrite would (`_per_step_variables`).
-        self._options = contextlib.ExitStack()
-        self._options.enter_context(without_per_step_variables())
+        try:
+            self.state_bytes = state_bytes(model)
+            self.data_bytes = 0
+            self._arrays = None
+            if isinstance(source, _sources.Arrays):
+                # Copied once into the allocator, outside every probe's
+                # window, and counted: a tensor converted from NumPy may use
+                # the array's buffer in place or not, a 24 MiB swing between
+                # processes on a small conv net's data. From the run's
+                # tensors (`Arrays.tensors`): an op's copy raises when memory
+                # is short, where converting an array can end the process.
+                parts = source.tensors() or (
+                    source.x,
+                    source.y,
+                    source.sample_weight,
+                )
+                self._arrays = tuple(
+                    None
+                    if part is None
+                    else keras.tree.map_structure(_copied, part)
+                    for part in parts
+                )
+                self.data_bytes = source.resident_bytes()
+            self.window = memory.PeakWindow(devices)
+            self.tried = []
+            # Last, so that nothing after them can raise and leave them on.
+            if (
+                guarded
+                and phase == "training"
+                and not StepGuard.installed_on(model)
+            ):
+                # The step as `tfmemsafe.fit` trains it: its updates wait for
+                # every gradient and run one after another. Released at once,
+                # they peak at some steps by one more copy of the largest
+                # variable than at others (11-13% spread on an MLP's probes).
+                self.guard = StepGuard(
+                    model, optimizers_of(model), gradient_accumulators_of(model)
+                )
+            # A probe that runs out must not break the next: at a fixed batch
+            # shape Grappler's `AddN` rewrite would (`_per_step_variables`).
+            self._options = contextlib.ExitStack()
+            self._options.enter_context(without_per_step_variables())
+        except BaseException:
+            # The guard off the model, and the copy's files now rather
+            # than when the garbage is collected.
+            if self.guard is not None:
+                self.guard.close()
+            self.state.close()
+            raise
 
     def room_for(self, peak_bytes: float) -> bool:
         """Whether `peak_bytes` of this model's fits beside what is in use."""
