@@ -4,12 +4,14 @@ attempt and its recovery run inside it. What the rewrite did after an
 error is recovery_test's `fixed_shape_batch_search_under_cap`.
 """
 
+import _models
 import keras
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.eager import context
 
+import tfmemsafe
 from tfmemsafe import _per_step_variables
 from tfmemsafe import testing
 from tfmemsafe.recovery import _retry
@@ -29,6 +31,20 @@ def options_set_inside_stay():
         tf.config.optimizer.set_experimental_options({"layout_optimizer": True})
         theirs = context.context().function_call_options
     return context.context().function_call_options is theirs
+
+
+class _Seen(keras.callbacks.Callback):
+    """The memory optimization each batch of every phase ran with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def _record(self, batch, logs=None):
+        self.seen.add(_memory_optimization())
+
+    on_train_batch_begin = on_test_batch_begin = _record
+    on_predict_batch_begin = _record
 
 
 class PerStepVariablesTest(tf.test.TestCase):
@@ -75,6 +91,26 @@ class PerStepVariablesTest(tf.test.TestCase):
                 ("attempt", swapping),
             ],
         )
+        self.assertEqual(_memory_optimization(), _REWRITER.DEFAULT_MEM_OPT)
+
+    def test_fit_evaluate_and_predict_run_without_the_rewrite(self):
+        model = _models.dense_model()
+        x, y = _models.table(32)
+        seen = _Seen()
+        tfmemsafe.fit(
+            model,
+            (x, y),
+            batch_size=8,
+            validation_data=(x, y),
+            preflight=False,
+            verbose=0,
+            callbacks=[seen],
+        )
+        tfmemsafe.evaluate(
+            model, (x, y), batch_size=8, verbose=0, callbacks=[seen]
+        )
+        tfmemsafe.predict(model, x, batch_size=8, verbose=0, callbacks=[seen])
+        self.assertEqual(seen.seen, {_REWRITER.SWAPPING_HEURISTICS})
         self.assertEqual(_memory_optimization(), _REWRITER.DEFAULT_MEM_OPT)
 
 

@@ -66,16 +66,11 @@ class StepGuard:
         # While an update is traced in order: what the next op waits for,
         # and the open `control_dependencies` of the current `update_step`.
         self._after = self._within = None
-        with tf.init_scope():
-            self._touched = tf.Variable(False, trainable=False)
-        for optimizer in optimizers:
-            self._patch(optimizer, "apply")
-        for optimizer in _with_inner(optimizers):
-            self._order(optimizer)
-        for accumulator in accumulators:
-            self._patch(accumulator, "accumulate")
+        # Its variables first: allocating them can run out of memory, and
+        # then nothing is patched yet.
         self._small = _small_state(model)
         with tf.init_scope():
+            self._touched = tf.Variable(False, trainable=False)
             self._copies = [
                 tf.Variable(
                     tf.zeros(v.shape, v.dtype), trainable=False, name="copy"
@@ -84,6 +79,12 @@ class StepGuard:
             ]
         self._save = tf.function(self._save_eagerly)
         self._restore = tf.function(self._restore_eagerly)
+        for optimizer in optimizers:
+            self._patch(optimizer, "apply")
+        for optimizer in _with_inner(optimizers):
+            self._order(optimizer)
+        for accumulator in accumulators:
+            self._patch(accumulator, "accumulate")
         # A step Keras traced before (an earlier `model.fit`) has neither
         # barrier nor order: traced again at the next call.
         model.train_function = None

@@ -278,9 +278,11 @@ class Probe:
         except BaseException:
             # The guard off the model, and the copy's files now rather
             # than when the garbage is collected.
-            if self.guard is not None:
-                self.guard.close()
-            self.state.close()
+            try:
+                if self.guard is not None:
+                    self.guard.close()
+            finally:
+                self.state.close()
             raise
 
     def room_for(self, peak_bytes: float) -> bool:
