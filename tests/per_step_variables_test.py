@@ -113,6 +113,29 @@ class PerStepVariablesTest(tf.test.TestCase):
         self.assertEqual(seen.seen, {_REWRITER.SWAPPING_HEURISTICS})
         self.assertEqual(_memory_optimization(), _REWRITER.DEFAULT_MEM_OPT)
 
+    def test_memory_probes_run_without_the_rewrite(self):
+        from unittest import mock
+
+        from tfmemsafe.estimate import _probe
+
+        model = _models.dense_model()
+        x, y = _models.table(64)
+        seen = []
+        steps = _probe.Probe._steps
+
+        def recorded(probe, *args, **kwargs):
+            seen.append(_memory_optimization())
+            return steps(probe, *args, **kwargs)
+
+        with mock.patch.object(_probe.Probe, "_steps", recorded):
+            try:
+                tfmemsafe.estimate_memory(model, (x, y), batch_sizes=[4, 8])
+            except tfmemsafe.MemoryEstimateError:
+                pass  # No statistics here: the probes ran all the same.
+        self.assertNotEmpty(seen)
+        self.assertEqual(set(seen), {_REWRITER.SWAPPING_HEURISTICS})
+        self.assertEqual(_memory_optimization(), _REWRITER.DEFAULT_MEM_OPT)
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -29,7 +29,6 @@ What makes a reading the same in every process, whatever ran before:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 
@@ -258,7 +257,7 @@ class Probe:
                 self.data_bytes = source.resident_bytes()
             self.window = memory.PeakWindow(devices)
             self.tried = []
-            # Last, so that nothing after them can raise and leave them on.
+            # Last, so that nothing after it can raise and leave it on.
             if (
                 guarded
                 and phase == "training"
@@ -271,10 +270,6 @@ class Probe:
                 self.guard = StepGuard(
                     model, optimizers_of(model), gradient_accumulators_of(model)
                 )
-            # A probe that runs out must not break the next: at a fixed batch
-            # shape Grappler's `AddN` rewrite would (`_per_step_variables`).
-            self._options = contextlib.ExitStack()
-            self._options.enter_context(without_per_step_variables())
         except BaseException:
             # The guard off the model, and the copy's files now rather
             # than when the garbage is collected.
@@ -346,7 +341,11 @@ class Probe:
         steps = _StepPeaks(self.window, self.devices)
         error = None
         try:
-            self._steps(batch_size, steps, arguments)
+            # A probe that runs out must not break the next: at a fixed
+            # batch shape Grappler's `AddN` rewrite would
+            # (`_per_step_variables`).
+            with without_per_step_variables():
+                self._steps(batch_size, steps, arguments)
         except Exception as err:
             if not memory.is_oom_error(err):
                 raise
@@ -403,14 +402,11 @@ class Probe:
         return indices.map(gather).take(_PROBE_STEPS)
 
     def close(self) -> None:
-        try:
-            if self.guard is not None:
-                self.guard.close()
-            self.state.restore()
-            self.state.close()
-            self._arrays = None
-        finally:
-            self._options.close()
+        if self.guard is not None:
+            self.guard.close()
+        self.state.restore()
+        self.state.close()
+        self._arrays = None
 
 
 def _copied(array):
