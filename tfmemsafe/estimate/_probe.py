@@ -44,6 +44,7 @@ from tfmemsafe._model_state import ModelState
 from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._per_step_variables import without_per_step_variables
+from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
@@ -343,8 +344,9 @@ class Probe:
         try:
             # A probe that runs out must not break the next: at a fixed
             # batch shape Grappler's `AddN` rewrite would
-            # (`_per_step_variables`).
-            with without_per_step_variables():
+            # (`_per_step_variables`); nor read a batch only to drop it
+            # (`_sample_batch`).
+            with without_per_step_variables(), without_sample_batch(self.model):
                 self._steps(batch_size, steps, arguments)
         except Exception as err:
             if not memory.is_oom_error(err):

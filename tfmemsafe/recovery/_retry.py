@@ -20,6 +20,7 @@ import keras
 from tfmemsafe import _checks
 from tfmemsafe import memory
 from tfmemsafe._per_step_variables import without_per_step_variables
+from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._planner import SizePlanner
@@ -44,7 +45,9 @@ def retry_on_oom(
     (`ModelUnusableError`, see `_refuse_xla_on_cpu`). Attempts and
     recoveries run without Grappler's `AddN` rewrite, whose leftovers
     would make every attempt after a failed one fail
-    (`without_per_step_variables`).
+    (`without_per_step_variables`), and without the batch Keras reads
+    and drops at each call of a built model under a strategy
+    (`without_sample_batch`).
 
     Args:
         model: keras.Model. The model trained: what a failed attempt
@@ -63,8 +66,9 @@ def retry_on_oom(
     Returns:
         The result of the first attempt that finished, or of `recover`.
     """
-    # A failed attempt must not break the next (`_per_step_variables`).
-    with without_per_step_variables():
+    # A failed attempt must not break the next (`_per_step_variables`),
+    # nor may a new call drop a sample batch's iterator (`_sample_batch`).
+    with without_per_step_variables(), without_sample_batch(model):
         while True:
             try:
                 return attempt()
