@@ -63,13 +63,14 @@ class SnapshotTest(tf.test.TestCase):
             self.assertAllEqual(variable.numpy(), value)
 
     def test_pieces_read_one_at_a_time_put_back_every_value(self):
-        # What `restore` does when a file's pieces cannot be read at once.
+        # What `restore` does: each piece a tensor of its own.
         model = _conv_net()
         saved, snapshot = _saved_then_overwritten(model)
         largest = 0
-        for path, pieces in snapshot.copy.files:
-            for index, piece in enumerate(pieces):
-                (value,) = _model_state._read(path, [index], [piece])
+        for path, pieces, layout in snapshot.copy.files:
+            contents = tf.io.read_file(path)
+            for piece, place in zip(pieces, layout, strict=True):
+                value = _model_state._decode(contents, piece[0], place)
                 size = value.dtype.size * value.shape.num_elements()
                 largest = max(largest, size)
                 _model_state._put(value, piece)
@@ -78,6 +79,45 @@ class SnapshotTest(tf.test.TestCase):
             self.assertAllEqual(variable.numpy(), value)
         # The conv kernel and its moments are cut in pieces of 1 MiB.
         self.assertLessEqual(largest, _model_state._PIECE_BYTES)
+
+    def test_every_kind_of_value_comes_back(self):
+        # Types `decode_raw` makes, one it does not (through bytes), and
+        # strings (through `SaveV2`); whole and in pieces.
+        values = [
+            np.arange(3 * 2**18, dtype="float32").reshape(3, 2**18),
+            np.array([2**32 - 1, 7], dtype="uint32"),
+            np.array([2**63 - 1], dtype="uint64"),
+            np.array([True, False, True]),
+            np.array(3.5, dtype="float16"),
+            np.array([b"a", b"bc"]),
+        ]
+        variables = [tf.Variable(value) for value in values]
+        copy = _model_state._DiskCopy([(v, [v]) for v in variables])
+        for variable in variables:
+            variable.assign(tf.zeros_like(variable))
+        copy.restore()
+        copy.close()
+        self.assertFalse(os.path.exists(copy.directory))
+        for variable, value in zip(variables, values, strict=True):
+            self.assertAllEqual(variable.numpy(), value)
+        kinds = [layout is None for _, _, layout in copy.files]
+        self.assertEqual(sorted(kinds), [False, True])
+
+    def test_a_file_system_without_direct_writes_gets_buffered_ones(self):
+        variable = tf.Variable(np.arange(10, dtype="float32"))
+        real_open = os.open
+
+        def refusing(path, flags, *args):
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(22, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        with mock.patch.object(_model_state.os, "open", refusing):
+            copy = _model_state._DiskCopy([(variable, [variable])])
+        variable.assign(tf.zeros(10))
+        copy.restore()
+        copy.close()
+        self.assertAllEqual(variable.numpy(), np.arange(10))
 
 
 def _filled():
