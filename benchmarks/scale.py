@@ -4,10 +4,12 @@ An MLP with Adam (512 features, two hidden layers of `--widths` units, 10
 classes) trains `--epochs` epochs on `--rows` random rows at batch
 `--batch_size`, through `model.fit` and through `tfmemsafe.fit`
 (`preflight=False`, so that only the safety net is measured), each in a
-fresh process, the two one after the other for each width. The table gives
-the parameters, the model-and-optimizer state, the peak RSS of the whole
-process over what it held before training, and the CPU and wall time of
-training, with the ratios of `tfmemsafe.fit` to `model.fit`.
+fresh process, the two taking turns `--rounds` times for each width. The
+table gives the parameters, the model-and-optimizer state, the peak RSS
+of the whole process over what it held before training, and the CPU and
+wall time of training, with the ratios of `tfmemsafe.fit` to `model.fit`: medians,
+and the range of the pairs' ratios (one run's CPU time moves by several
+percent on a shared machine).
 
 Then one recovered error at `--recover_width`, under a CPU allocator cap
 of `--cap_mb`: at epoch 1, step 1 a callback fills the allocator, as
@@ -39,6 +41,9 @@ _WIDTHS = flags.DEFINE_list(
 )
 _ROWS = flags.DEFINE_integer("rows", 2048, "Training rows.")
 _EPOCHS = flags.DEFINE_integer("epochs", 2, "Epochs.")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 3, "Pairs of runs for each width, taking turns."
+)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Batch size.")
 _RECOVER_WIDTH = flags.DEFINE_integer(
     "recover_width", 8192, "Hidden width of the recovered error (0: none)."
@@ -114,6 +119,22 @@ def train(wrapper, width, rows, epochs, batch_size, hold=False):
     }
 
 
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _ratios(pairs, key):
+    """`tfmemsafe.fit`'s over `model.fit`'s: the median (the range)."""
+    ratios = [wrapped[key] / plain[key] for plain, wrapped in pairs]
+    if len(ratios) == 1:
+        return f"{ratios[0]:.3f}"
+    return f"{_median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def _mib(size):
     return f"{size / 2**20:,.0f}"
 
@@ -131,7 +152,9 @@ def main(argv):
         )
     print(
         f"An MLP with Adam, {rows} rows of {_FEATURES} features, {epochs} "
-        f"epochs at batch {size}; peak RSS over the start of training.\n"
+        f"epochs at batch {size}; peak RSS over the start of training; "
+        f"{_ROUNDS.value} pairs a width, taking turns: medians, and the "
+        "range of the pairs' ratios.\n"
     )
     print(
         "| parameters | state MiB | model.fit MiB | tfmemsafe.fit MiB | "
@@ -139,19 +162,24 @@ def main(argv):
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for width in map(int, _WIDTHS.value):
-        plain, wrapped = (
-            testing.run_in_subprocess(
-                train, args=[wrapper, width, rows, epochs, size]
+        pairs = []
+        for _ in range(_ROUNDS.value):
+            plain, wrapped = (
+                testing.run_in_subprocess(
+                    train, args=[wrapper, width, rows, epochs, size]
+                )
+                for wrapper in (False, True)
             )
-            for wrapper in (False, True)
-        )
-        extra = wrapped["extra"] - plain["extra"]
+            pairs.append((plain, wrapped))
+        plain_extra = _median([plain["extra"] for plain, _ in pairs])
+        wrapped_extra = _median([wrapped["extra"] for _, wrapped in pairs])
+        extra = _median([w["extra"] - p["extra"] for p, w in pairs])
+        state = pairs[0][0]["state"]
         print(
-            f"| {plain['parameters'] / 1e6:.0f}M | {_mib(plain['state'])} | "
-            f"{_mib(plain['extra'])} | {_mib(wrapped['extra'])} | "
-            f"{_mib(extra)} | {extra / plain['state']:+.1%} | "
-            f"{wrapped['cpu'] / plain['cpu']:.3f} | "
-            f"{wrapped['wall'] / plain['wall']:.3f} |",
+            f"| {pairs[0][0]['parameters'] / 1e6:.0f}M | {_mib(state)} | "
+            f"{_mib(plain_extra)} | {_mib(wrapped_extra)} | "
+            f"{_mib(extra)} | {extra / state:+.1%} | "
+            f"{_ratios(pairs, 'cpu')} | {_ratios(pairs, 'wall')} |",
             flush=True,
         )
     if _RECOVER_WIDTH.value:
