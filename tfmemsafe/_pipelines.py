@@ -167,9 +167,12 @@ def passed_through(dataset):
     transformation, it hands on an error alone (see `for_keras`)."""
     # `map` calls its function with a tuple's parts (exactly a tuple, not
     # a namedtuple) and with anything else as one argument.
+    # Nothing for autograph to convert: it would only slow the tracing.
     if type(dataset.element_spec) is tuple:
-        return dataset.map(lambda *parts: parts)
-    return dataset.map(lambda part: part)
+        return dataset.map(
+            tf.autograph.experimental.do_not_convert(lambda *parts: parts)
+        )
+    return dataset.map(tf.autograph.experimental.do_not_convert(lambda p: p))
 
 
 def dataset_nodes(dataset):

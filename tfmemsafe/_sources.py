@@ -293,8 +293,12 @@ class Arrays(Source):
         width = -(-batch_size // 8) * 8
         table = np.zeros((full // batch_size, width), np.int64)
         table[:, :batch_size] = rows[:full].reshape(-1, batch_size)
+        # The map functions have no control flow for autograph to convert
+        # (converting them is most of their tracing, three an epoch).
         indices = tf.data.Dataset.from_tensor_slices(table).map(
-            lambda row: row[:batch_size]
+            tf.autograph.experimental.do_not_convert(
+                lambda row: row[:batch_size]
+            )
         )
         if full < len(rows):
             remainder = tf.data.Dataset.from_tensors(rows[full:])
@@ -307,7 +311,9 @@ class Arrays(Source):
             )
 
         dataset = tf.data.Dataset.zip((indices, data)).map(
-            gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+            tf.autograph.experimental.do_not_convert(gather),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
         )
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 

@@ -77,8 +77,10 @@ class StepGuard:
                 )
                 for v in self._small
             ]
-        self._save = tf.function(self._save_eagerly)
-        self._restore = tf.function(self._restore_eagerly)
+        # Loops over Python lists: nothing for autograph to convert, and
+        # converting them took most of their first call (60 ms).
+        self._save = tf.function(self._save_eagerly, autograph=False)
+        self._restore = tf.function(self._restore_eagerly, autograph=False)
         for optimizer in optimizers:
             self._patch(optimizer, "apply")
         for optimizer in _with_inner(optimizers):
