@@ -8,10 +8,10 @@ per-replica part of a distributed variable, and the attributes `fit`
 replaces.
 
 Both keep the values in a `_DiskCopy`: files in a temporary directory,
-written and read back about 16 MiB at a time (1 MiB when memory is
-short) by TensorFlow ops. So the host memory they take does not grow
-with the model (a host copy of a 1B-parameter model's Adam state would
-be 12 GB), and putting a value
+written about 16 MiB at a time past the page cache, and read back into
+tensors by TensorFlow ops one piece (at most 1 MiB) at a time. So the
+host memory they take does not grow with the model (a host copy of a
+1B-parameter model's Adam state would be 12 GB), and putting a value
 back never converts a host array to a tensor: that conversion ends the
 process inside TensorFlow when memory is short, where an op raises.
 """
