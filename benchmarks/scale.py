@@ -7,9 +7,9 @@ classes) trains `--epochs` epochs on `--rows` random rows at batch
 fresh process, the two taking turns `--rounds` times for each width. The
 table gives the parameters, the model-and-optimizer state, the peak RSS
 of the whole process over what it held before training, and the CPU and
-wall time of training, with the ratios of `tfmemsafe.fit` to `model.fit`: medians,
-and the range of the pairs' ratios (one run's CPU time moves by several
-percent on a shared machine).
+wall time of training, with the ratios of `tfmemsafe.fit` to
+`model.fit`: medians, and the range of the pairs' ratios (one run's CPU
+time moves by several percent on a shared machine).
 
 Then one recovered error at `--recover_width`, under a CPU allocator cap
 of `--cap_mb`: at epoch 1, step 1 a callback fills the allocator, as
