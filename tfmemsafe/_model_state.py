@@ -253,7 +253,11 @@ class _DiskCopy:
         # (path, [(dtype, cut, targets)], [(offset, size, shape)] or None
         # for a `SaveV2` file).
         self.files = []
-        self._buffer = None
+        # Where raw pieces are gathered, page-aligned as `O_DIRECT` needs.
+        # A file is written once it holds `_FILE_BYTES`, so before its
+        # last piece (at most `_PIECE_BYTES`) it held less: this is room
+        # enough, padding included. Anonymous: pages cost nothing untouched.
+        buffer = mmap.mmap(-1, _FILE_BYTES + _PIECE_BYTES)
         groups = {True: ([], [], 0), False: ([], [], 0)}
         try:
             for source, targets in entries:
@@ -273,21 +277,19 @@ class _DiskCopy:
                     size += _bytes(piece)
                     groups[raw] = (tensors, pieces, size)
                     if size >= _FILE_BYTES:
-                        self._write(raw, tensors, pieces)
+                        self._write(buffer, raw, tensors, pieces)
                         groups[raw] = ([], [], 0)
                 del value, host
             for raw, (tensors, pieces, _) in groups.items():
                 if tensors:
-                    self._write(raw, tensors, pieces)
+                    self._write(buffer, raw, tensors, pieces)
         finally:
-            buffer, self._buffer = self._buffer, None
-            if buffer is not None:
-                # A traceback may still hold a view of it: then it is
-                # closed when collected.
-                with contextlib.suppress(BufferError):
-                    buffer.close()
+            # A traceback may still hold a view of it: then it is closed
+            # when collected.
+            with contextlib.suppress(BufferError):
+                buffer.close()
 
-    def _write(self, raw: bool, tensors, pieces) -> None:
+    def _write(self, buffer, raw: bool, tensors, pieces) -> None:
         path = os.path.join(self.directory, str(len(self.files)))
         if not raw:
             tf.raw_ops.SaveV2(
@@ -305,12 +307,7 @@ class _DiskCopy:
             used += size
         # `O_DIRECT` writes whole blocks: the file ends in padding.
         end = -(-used // _ALIGNMENT) * _ALIGNMENT
-        if self._buffer is None or len(self._buffer) < end:
-            if self._buffer is not None:
-                self._buffer.close()
-            # Page-aligned, as `O_DIRECT` needs.
-            self._buffer = mmap.mmap(-1, max(end, _FILE_BYTES + _PIECE_BYTES))
-        with memoryview(self._buffer) as view:
+        with memoryview(buffer) as view:
             for tensor, (offset, size, _) in zip(tensors, layout, strict=True):
                 # A piece on a GPU is copied to the host here, one by one.
                 array = np.ascontiguousarray(np.asarray(tensor))
