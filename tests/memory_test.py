@@ -669,6 +669,72 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertLen(history.history["loss"], 1)
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def one_region_reserved(held_mb=0):
+    """Reserves the region after an 8 MiB peak (and `held_mb` held)."""
+    import tensorflow as tf
+
+    from tfmemsafe import memory
+
+    peaked = tf.ones((2 * _MB,))  # 8 MiB, then freed
+    del peaked
+    held = tf.ones((held_mb * _MB // 4,))
+    resident = _resident_bytes()
+    first = memory.reserve_one_region()
+    grown = _resident_bytes() - resident
+    second = memory.reserve_one_region()
+    info = memory.memory_info("CPU:0")
+    del held
+    return {
+        "first": first,
+        "second": second,
+        "peak": info.peak_bytes,
+        "current": info.current_bytes,
+        "resident_growth": grown,
+    }
+
+
+class OneRegionTest(tf.test.TestCase):
+    """`reserve_one_region` on a capped CPU allocator, in fresh processes."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.free, cls.held = _models.side_by_side(
+            one_region_reserved, [[0], [60]], cap_mb=300
+        )
+
+    def test_most_of_the_cap_is_reserved_once(self):
+        self.assertGreaterEqual(self.free["first"], 150 * _MB, self.free)
+        self.assertLess(self.free["first"], 300 * _MB, self.free)
+        self.assertEqual(self.free["second"], 0, self.free)
+
+    def test_the_peak_so_far_is_kept_and_the_reservations_is_not(self):
+        self.assertGreaterEqual(self.free["peak"], 8 * _MB, self.free)
+        self.assertLess(self.free["peak"], self.free["first"], self.free)
+
+    def test_no_page_of_the_region_is_touched(self):
+        # What grows is the allocator's bookkeeping, 8 bytes per 256.
+        growth = self.free["resident_growth"]
+        self.assertLess(growth, self.free["first"] / 16, self.free)
+
+    def test_nothing_is_reserved_when_it_might_not_fit(self):
+        # 60 MiB in use: the regions grown for it may take four times
+        # that, and what would be left is under half the cap.
+        self.assertEqual(self.held["first"], 0, self.held)
+
+    def test_nothing_is_reserved_without_a_cap(self):
+        reserved = testing.run_in_subprocess(one_region_reserved)
+        self.assertEqual(reserved["first"], 0, reserved)
+
+
 class CpuLimitTest(tf.test.TestCase):
     """The CPU limit follows the allocator TensorFlow was told to use."""
 

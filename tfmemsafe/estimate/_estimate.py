@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from tfmemsafe import _checks
+from tfmemsafe import memory
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
 from tfmemsafe.errors import MemoryEstimateError
@@ -168,6 +169,8 @@ def estimate_source(
     replicas = model.distribute_strategy.num_replicas_in_sync
     devices = _probe.devices_of(model, device)
     limits = _probe.check_statistics(devices)
+    # Every process's allocator laid out alike before the probes read it.
+    memory.reserve_one_region()
     probe = _probe.Probe(model, source, devices, phase, limits, guarded=guarded)
     try:
         if batch_sizes is None:

@@ -21,6 +21,7 @@ from tfmemsafe.memory._info import memory_info
 from tfmemsafe.memory._info import reset_peak_memory
 from tfmemsafe.memory._info import usable_bytes
 from tfmemsafe.memory._oom import is_oom_error
+from tfmemsafe.memory._region import reserve_one_region
 
 __all__ = [
     "HEADROOM",
@@ -34,6 +35,7 @@ __all__ = [
     "is_oom_error",
     "machine_memory_bytes",
     "memory_info",
+    "reserve_one_region",
     "reset_peak_memory",
     "usable_bytes",
 ]

@@ -106,6 +106,7 @@ def find_max_batch_size(
 
 def _search(model, source, start, max_batch_size, steps, headroom, planner):
     """`find_max_batch_size` on checked arguments."""
+    memory.reserve_one_region()  # Trials in the layout `fit` trains in.
     samples = source.num_samples
     largest = min(max_batch_size, samples) if samples else max_batch_size
     multiple = model.distribute_strategy.num_replicas_in_sync

@@ -16,6 +16,7 @@ from absl import logging
 from tfmemsafe import _checks
 from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
+from tfmemsafe import memory
 from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._sources import Arrays
@@ -273,6 +274,8 @@ def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
     Before anything trains under the step guard, it settles the size to
     start at: a stopped job's stored size, or the pre-flight check's.
     """
+    # The allocator laid out as the estimates measure it.
+    memory.reserve_one_region()
     other_arguments = dict(settings.other_arguments)
     train_source, validation_source = _split_for_validation(
         settings, other_arguments

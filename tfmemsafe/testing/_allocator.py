@@ -121,6 +121,7 @@ def training_peak_bytes(
     True
     """
     steps = _checks.integer("steps", steps, 1)
+    memory.reserve_one_region()  # The layout tfmemsafe's estimates read.
     memory.reset_peak_memory()
     try:
         with without_per_step_variables():
