@@ -467,7 +467,11 @@ def fixed_shape_batch_search_under_cap():
             size = tfmemsafe.find_max_batch_size(
                 model,
                 lambda batch_size: rows.batch(batch_size, drop_remainder=True),
-                max_batch_size=20,
+                start=32,
+                max_batch_size=32,
+                # By trial from 32, which runs out of the 400 MB cap (its
+                # estimate's first guess, 18, trains without an error).
+                memory_estimate=False,
             )
     except (tf.errors.OpError, tfmemsafe.OutOfMemoryError) as err:
         return {"error": f"{type(err).__name__}: {err}"[:500]}
@@ -1331,7 +1335,7 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         result = self.result(fixed_shape_batch_search_under_cap)
         self.assertIsNone(result["error"], msg=result)
         self.assertNotEmpty(result["ran_out"], msg=result)
-        self.assertBetween(result["size"], 1, 19)
+        self.assertBetween(result["size"], 1, 31)
         self.assertTrue(np.isfinite(result["loss"]), msg=result)
 
     def test_fit_finishes_every_epoch_where_plain_fit_runs_out(self):
