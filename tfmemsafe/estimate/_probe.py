@@ -144,13 +144,9 @@ def _within_budget(measurements, size, free, replicas, budget):
     Growth is counted from the line's value at batch 0, not from a probe
     (which may sit on the floor), so that four times the largest probe is
     predicted to grow the peak by at most 4 x `budget` of the free
-    memory. The slope is the widest secant's, from the second probe (one
+    memory. The slope is the widest secant's, from the second probe: one
     step scheduled with more at once in a middle probe then moves it
-    least), or the last secant's where that is steeper: a step's peak
-    bends upwards (a conv net's read 0.156 MiB a sample from 32 to 1024
-    and 0.173 from 512 to 1024, and a last probe sized by the first
-    outgrew the budget, so that four times it ran out of memory). A size
-    over the budget is cut to the largest within it, and
+    least. A size over the budget is cut to the largest within it, and
     that probe is the last (`last`): so where the probes end moves a
     little with the readings, not by a factor two (a conv net's probes
     used to end at 128 in some processes and 256 in others, and the
@@ -158,10 +154,9 @@ def _within_budget(measurements, size, free, replicas, budget):
     even `_LAST_PROBE_STEP` times the largest probe is within it.
     """
     (s1, p1, _), (s2, p2, _) = measurements[-2:]
-    slope = max((p2 - p1) / (s2 - s1), 0)
     if len(measurements) >= 3:
         s1, p1, _ = measurements[1]
-        slope = max((p2 - p1) / (s2 - s1), slope)
+    slope = max((p2 - p1) / (s2 - s1), 0)
     base = min(measurements[1][1], max(p2 - slope * s2, 0))
     last = False
     if free is not None and slope > 0:
