@@ -79,6 +79,12 @@ def _reserve() -> int:
     )
     size = limit - _GROWN_REGIONS * most - _SPARE_BYTES
     if size < _SMALLEST_SHARE * limit:
+        logging.info(
+            "tfmemsafe: the capped CPU allocator is left to grow region by "
+            "region: with up to %d bytes in use so far, one region might "
+            "not fit.",
+            most,
+        )
         return 0
     window = _info.PeakWindow(["CPU:0"])
     window.reset()  # The peak so far is kept; the reservation's is not.
@@ -86,6 +92,11 @@ def _reserve() -> int:
         with tf.device("CPU:0"):
             block = tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False)
         del block
+        logging.info(
+            "tfmemsafe: the capped CPU allocator reserved %d bytes as one "
+            "region, so that a step peaks alike in every process.",
+            size,
+        )
     except tf.errors.ResourceExhaustedError:
         logging.info(
             "tfmemsafe: could not reserve one region of %d bytes.", size
