@@ -70,7 +70,8 @@ _LENGTHS = [128, 256]
 # to leave 5% free, 4752 to 4947) -4.4 to +7.1%, the `AccumulatingModel`
 # -9.0 to +4.2% (-10.7% in one CI run): its truth, the highest of eight
 # steps at 2048, read 454 or 510 MiB in one process, and its prediction
-# 451 to 492 MiB between processes. In earlier runs the transformer read
+# 451 to 492 MiB between processes, with the number of 13.5 MiB batches
+# that the data's `prefetch(1)` held (docs/memory-estimate.md). In earlier runs the transformer read
 # -0.4 to -0.8%, the GRU +1 to +2%, the MLP +2% (+11% at 2x, on a floor
 # of 25 MiB under a 250 MB cap), the conv net at 4096 -10 to -20% (its
 # steps there peaked 630 to 813 MiB in one process).
