@@ -32,6 +32,13 @@ from tfmemsafe.estimate._result import MemoryEstimate
 _FITTED = 3
 # A length's second probe is at most this many times its first.
 _LENGTH_PROBE_SPAN = 4
+# What a length adds to the fixed part is extrapolated by the length's
+# steepest power (16 times at four times the length, for a transformer's
+# quadratic), so a pair of probes that makes it more than this share of
+# the first's growth is read again: one low reading of the second (252.8
+# MB where five other processes read 307.3, at 64 samples of 256 tokens)
+# made 26.6 MB at 256 tokens into 400 MB at 1024.
+_CONFIRMED_EXCESS = 0.05
 
 
 def estimate_memory(
@@ -232,7 +239,9 @@ def _measure_lengths(probe, model, source, lengths, measurements, line, free):
     at 512 tokens came from batches of 1 and 2 and read 12 to 20 MiB a
     sample where 7 samples held 18.6 each. What the first holds above
     the line through the second is what the length adds to the fixed
-    part. (Where the polynomial falls below a probe, the estimate is
+    part; where that is more than `_CONFIRMED_EXCESS` of the first's
+    growth, both probes are read again, and it must show in both
+    readings. (Where the polynomial falls below a probe, the estimate is
     raised there: `MemoryEstimate.per_sample_bytes_at`.)
     """
     fixed, slope = line
@@ -273,9 +282,17 @@ def _measure_lengths(probe, model, source, lengths, measurements, line, free):
             second = max(second // 2 - second // 2 % replicas, 2 * first)
         high = run(second)
         average = max(high - fixed, 0.0) / second
+        added = low - fixed - average * first
+        if added > _CONFIRMED_EXCESS * max(low - fixed, 1.0):
+            # Each read again: the higher at the second (a step can reach
+            # it), the lower at the first (both must show what is added).
+            high = max(high, run(second))
+            low = min(low, run(first))
+            average = max(high - fixed, 0.0) / second
+            added = low - fixed - average * first
         points.append(length)
         slopes.append(average)
-        excess.append(max(low - fixed - average * first, 0.0))
+        excess.append(max(added, 0.0))
     coefficients = _lengths.fit_powers(points, slopes, powers)
     fixed_coefficients = _lengths.fit_powers(
         points, excess, powers, relative=False
