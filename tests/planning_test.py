@@ -262,5 +262,44 @@ def _fit_without_statistics():
     return {"events": len(history.oom_events), "epochs": history.epoch}
 
 
+def _predicted_beside_the_data(data_mib):
+    """The planner's prediction at 64 with `data_mib` of data in use, for
+    an estimate whose probes counted that data, and for one without."""
+    from tfmemsafe import estimate as estimate_lib
+    from tfmemsafe.recovery import _planner
+
+    data = tf.zeros((data_mib * 2**20 // 4,)) + 0  # The run's tensors.
+    held = estimate_lib.held_bytes("CPU:0", 0)  # The data among it.
+    made = tfmemsafe.MemoryEstimate(
+        device="CPU:0",
+        limit_bytes=_CAP_MB * 2**20,
+        fixed_bytes=(20 + data_mib) * 2**20,
+        per_sample_bytes=2**20,
+        measurements=((8, (28 + data_mib) * 2**20),),
+        data_bytes=data_mib * 2**20,
+    )
+    counted = _planner._predicted_peak(made, 64)
+    uncounted = _planner._predicted_peak(
+        dataclasses.replace(made, data_bytes=0), 64
+    )
+    del data
+    return {"held": held, "counted": counted, "uncounted": uncounted}
+
+
+class DataCountedOnceTest(tf.test.TestCase):
+    def test_data_the_probes_counted_is_not_counted_again_beside_them(self):
+        result = testing.run_with_memory_cap(
+            _predicted_beside_the_data, _CAP_MB, args=[96]
+        )
+        own = (20 + 96 + 64) * 2**20  # The line at 64, the data in it.
+        # The data once: in the line, not again in what is held.
+        self.assertAllClose(
+            result["counted"], own + result["held"] - 96 * 2**20, atol=2**20
+        )
+        self.assertAllClose(
+            result["uncounted"], own + result["held"], atol=2**20
+        )
+
+
 if __name__ == "__main__":
     tf.test.main()

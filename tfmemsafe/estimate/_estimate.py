@@ -219,6 +219,7 @@ def estimate_source(
         measurements=tuple(zip(sizes, peaks, strict=True)),
         state_bytes=probe.state_bytes,
         largest_tensor_bytes=largest_tensor,
+        data_bytes=probe.data_bytes,
         **second,
     )
     logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)

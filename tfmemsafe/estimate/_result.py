@@ -81,6 +81,9 @@ class MemoryEstimate:
         largest_tensor_bytes: float. The bytes per sample of the step's
             largest tensor (from the traced forward pass);
             `max_batch_size` keeps room for `SPARE_TENSORS` of them.
+        data_bytes: int. The data's arrays, which the probes copied into
+            the device's memory once and counted (part of `fixed_bytes`);
+            0 for a dataset.
     """
 
     device: str
@@ -94,6 +97,7 @@ class MemoryEstimate:
     length_measurements: tuple[tuple[int, int, int], ...] = ()
     largest_tensor_bytes: float = 0.0
     length_fixed_coefficients: tuple[float, ...] = ()
+    data_bytes: int = 0
 
     def peak_bytes(self, batch_size: int, length: int | None = None) -> int:
         """The predicted peak of a training step at `batch_size`.
