@@ -806,6 +806,9 @@ class _CurveProbe:
 
     state_bytes = 0
 
+    def counted_bytes(self, device):
+        return self.state_bytes
+
     def __init__(self, floor, slope, bend):
         self.curve = lambda size: floor + slope * max(size - bend, 0)
         self.sizes = []
@@ -828,6 +831,9 @@ class _LengthProbe:
     as high over the fixed part the first time at `(low_size, length)`."""
 
     state_bytes = 0
+
+    def counted_bytes(self, device):
+        return self.state_bytes
 
     def __init__(self, per_sample, added=lambda length: 0.0, low_at=None):
         self.per_sample, self.added, self.low_at = per_sample, added, low_at
@@ -987,7 +993,7 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
 
 class ProbeStartTest(tf.test.TestCase):
     def test_a_probe_that_cannot_start_leaves_no_copy(self):
-        # Out of memory while it copies the arrays into the allocator.
+        # Out of memory while it converts the arrays to tensors.
         from unittest import mock
 
         from tfmemsafe import _sources
@@ -1010,7 +1016,7 @@ class ProbeStartTest(tf.test.TestCase):
         )
         with (
             mock.patch.object(_probe, "ModelState", recorded),
-            mock.patch.object(_probe, "_copied", failing),
+            mock.patch.object(source, "tensors", failing),
             self.assertRaises(tf.errors.ResourceExhaustedError),
         ):
             _probe.Probe(model, source, ["CPU:0"])

@@ -286,7 +286,39 @@ def _predicted_beside_the_data(data_mib):
     return {"held": held, "counted": counted, "uncounted": uncounted}
 
 
+def _large_arrays_under_the_cap():
+    """96 MiB of images under a 300 MB cap: a standalone estimate on them,
+    then `fit` at 256 (a peak of about 212 MiB) with its pre-flight check."""
+    x, y = _images(8192)
+    made = tfmemsafe.estimate_memory(_conv_net(), (x, y), batch_sizes=(8, 32))
+    history = tfmemsafe.fit(
+        _conv_net(), (x, y), batch_size=256, steps_per_epoch=2, verbose=0
+    )
+    return {
+        "data_bytes": made.data_bytes,
+        "fixed_bytes": made.fixed_bytes,
+        "events": [event.error for event in history.oom_events],
+        "epochs": history.epoch,
+    }
+
+
 class DataCountedOnceTest(tf.test.TestCase):
+    def test_large_arrays_are_neither_copied_nor_counted_twice(self):
+        # Before: the probes gathered from a copy of the data's tensors
+        # that a `map` captured (copied again when its iterator was made),
+        # so the standalone estimate ran out and the process ended
+        # (SIGSEGV); and the pre-flight check, counting the data in the
+        # line and again in use, cut 256, which trains, to 64.
+        result = testing.run_with_memory_cap(
+            _large_arrays_under_the_cap, _CAP_MB
+        )
+        self.assertEqual(
+            result["data_bytes"], 8192 * 32 * 32 * 3 * 4 + 8192 * 4
+        )
+        self.assertGreater(result["fixed_bytes"], result["data_bytes"])
+        self.assertEqual(result["events"], [])
+        self.assertEqual(result["epochs"], [0])
+
     def test_data_the_probes_counted_is_not_counted_again_beside_them(self):
         result = testing.run_with_memory_cap(
             _predicted_beside_the_data, _CAP_MB, args=[96]

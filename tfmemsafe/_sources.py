@@ -387,9 +387,11 @@ class Arrays(Source):
         return math.ceil(rows / arguments["batch_size"])
 
     def resident_bytes(self) -> int:
-        # Their tensors (`tensors`) stay for the whole run.
+        # Their tensors (`tensors`) stay for the whole run, floats cast to
+        # `floatx`; counted without converting them (tracing the static
+        # bound just after an error must not convert).
         leaves = keras.tree.flatten((self.x, self.y, self.sample_weight))
-        return sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves)
+        return sum(_tensor_bytes(leaf) for leaf in leaves if leaf is not None)
 
     def _read_sample_inputs(self):
         return keras.tree.map_structure(lambda a: a[:1], self.x)
@@ -590,6 +592,24 @@ def _host_tensor(leaf):
     if tensor.dtype.is_floating and tensor.dtype.name != keras.config.floatx():
         tensor = tf.cast(tensor, keras.config.floatx())
     return tensor
+
+
+def _tensor_bytes(leaf) -> int:
+    """The bytes of `leaf` as `_host_tensor` converts it."""
+    nbytes = int(getattr(leaf, "nbytes", 0))
+    dtype = getattr(leaf, "dtype", None)  # A DataFrame has none: `nbytes`.
+    shape = getattr(leaf, "shape", None)
+    if dtype is None or shape is None or None in tuple(shape):
+        return nbytes
+    try:
+        dtype = tf.as_dtype(dtype)
+    except TypeError:  # NumPy's object arrays.
+        return nbytes
+    if not dtype.size:  # Strings: their bytes are not the shape's.
+        return nbytes
+    if dtype.is_floating:
+        dtype = tf.as_dtype(keras.config.floatx())
+    return int(np.prod(tuple(shape), dtype=np.int64)) * dtype.size
 
 
 def _take(array, order):

@@ -197,7 +197,7 @@ def estimate_source(
             )
         second = {}
         if lengths:
-            free = _probe.free_bytes(limits, probe.state_bytes)
+            free = _probe.free_bytes(probe, limits)
             line = (fixed, per_sample)
             second = _measure_lengths(
                 probe, model, source, lengths, measurements, line, free
@@ -219,7 +219,7 @@ def estimate_source(
         measurements=tuple(zip(sizes, peaks, strict=True)),
         state_bytes=probe.state_bytes,
         largest_tensor_bytes=largest_tensor,
-        data_bytes=probe.data_bytes,
+        data_bytes=probe.data_on(device),
         **second,
     )
     logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)

@@ -151,17 +151,17 @@ def length_powers(model, inputs, length: int) -> tuple[int, ...] | None:
     return (0, 1)
 
 
-def bound_terms(model, inputs, state_bytes: int, data_bytes: int):
+def bound_terms(model, inputs, state_bytes: int):
     """`(fixed, per_sample)` bytes of the step's bound, or `None`.
 
     The bound at a batch (per replica device) is `fixed + per_sample x
-    batch`.
+    batch`. What the data keeps in memory (arrays' tensors, on a CPU) is
+    not in it: the caller adds it per device (`data_on`).
 
     Args:
         model: A built, compiled `keras.Model`.
         inputs: A batch of its inputs.
         state_bytes: int. The model's and optimizer's variables.
-        data_bytes: int. What the data keeps in memory (arrays).
     """
     traced = per_sample_bytes(model, inputs)
     if traced is None:
@@ -177,7 +177,7 @@ def bound_terms(model, inputs, state_bytes: int, data_bytes: int):
         for x in keras.tree.flatten(inputs)
     )
     per_sample = _PER_SAMPLE_COPIES * forward + _INPUT_BATCHES * sample_input
-    fixed = state_bytes + _STATE_COPIES * trainable + data_bytes
+    fixed = state_bytes + _STATE_COPIES * trainable
     if convolution:
         fixed += _CONVOLUTION_BUFFERS
     return int(fixed), int(per_sample)

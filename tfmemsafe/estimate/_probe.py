@@ -99,7 +99,7 @@ def measure_default_sizes(
     # constants) is then in use before every probe that is read.
     probe.run(size)
     measurements = [probe.run(size)]
-    free = free_bytes(limits, probe.state_bytes)
+    free = free_bytes(probe, limits)
     last = False
     while len(measurements) < _MAX_PROBES and not last:
         size *= 4 if len(measurements) <= _QUADRUPLED else 2
@@ -175,9 +175,14 @@ def _rounded_down(size: int, replicas: int) -> int:
     return size - size % step
 
 
-def free_bytes(limits, state_bytes) -> int | None:
-    """The least memory the model's state leaves below a device's limit."""
-    free = [limit - state_bytes for limit in limits.values() if limit]
+def free_bytes(probe, limits) -> int | None:
+    """The least memory the model's state (and the data's tensors, where
+    they count) leaves below a device's limit."""
+    free = [
+        limit - probe.counted_bytes(device)
+        for device, limit in limits.items()
+        if limit
+    ]
     return min(free) if free else None
 
 
@@ -238,23 +243,31 @@ class Probe:
             self.data_bytes = 0
             self._arrays = None
             if isinstance(source, _sources.Arrays):
-                # Copied once into the allocator, outside every probe's
-                # window, and counted: a tensor converted from NumPy may use
-                # the array's buffer in place or not, a 24 MiB swing between
-                # processes on a small conv net's data. From the run's
-                # tensors (`Arrays.tensors`): an op's copy raises when memory
-                # is short, where converting an array can end the process.
-                parts = source.tensors() or (
-                    source.x,
-                    source.y,
-                    source.sample_weight,
-                )
-                self._arrays = tuple(
-                    None
-                    if part is None
-                    else keras.tree.map_structure(_copied, part)
-                    for part in parts
-                )
+                # The run's tensors (`Arrays.tensors`), gathered from as
+                # the run gathers: converted once, before every probe's
+                # window, and counted (`data_on`), not read: a tensor
+                # converted from NumPy may use the array's buffer in place
+                # or copy it into the allocator, a 24 MiB swing between
+                # processes on a small conv net's data. Never copied
+                # again: a second copy took a third of a 300 MB cap from
+                # a run whose data was 96 MiB. Without tensors (sparse
+                # leaves), copies of the arrays: an op's copy raises when
+                # memory is short, where converting an array in `fit` can
+                # end the process.
+                parts = source.tensors()
+                if parts is None:
+                    with tf.device("CPU:0"):
+                        parts = tuple(
+                            None
+                            if part is None
+                            else keras.tree.map_structure(_copied, part)
+                            for part in (
+                                source.x,
+                                source.y,
+                                source.sample_weight,
+                            )
+                        )
+                self._arrays = parts
                 self.data_bytes = source.resident_bytes()
             self.window = memory.PeakWindow(devices)
             self.tried = []
@@ -281,13 +294,23 @@ class Probe:
                 self.state.close()
             raise
 
+    def data_on(self, device) -> int:
+        """The data's bytes counted in `device`'s readings (`data_on`)."""
+        return self.data_bytes if _is_host(device) else 0
+
+    def counted_bytes(self, device) -> int:
+        """What every reading on `device` counts besides the step's growth:
+        the model's state and the data's tensors, both in use before it."""
+        return self.state_bytes + self.data_on(device)
+
     def room_for(self, peak_bytes: float) -> bool:
         """Whether `peak_bytes` of this model's fits beside what is in use."""
         for device in self.devices:
             limit = self.limits.get(device)
             if not limit:
                 continue
-            if held_bytes(device, self.state_bytes) + peak_bytes > limit:
+            held = held_bytes(device, self.counted_bytes(device))
+            if held + peak_bytes > limit:
                 return False
         return True
 
@@ -353,10 +376,9 @@ class Probe:
                 raise
             error = err
             gc.collect()
-        counted = self.state_bytes + self.data_bytes
         peaks = {
             device: [
-                counted + max(peak - before[device], 0)
+                self.counted_bytes(device) + max(peak - before[device], 0)
                 for peak in steps.peaks.get(device, [])
                 if peak
             ]
@@ -390,18 +412,28 @@ class Probe:
             )
 
     def _batches(self, batch_size: int):
-        """`_PROBE_STEPS` batches gathered from the converted arrays."""
+        """`_PROBE_STEPS` batches gathered from the data's tensors.
+
+        The tensors enter the pipeline as a dataset's elements, not as a
+        `map` function's captures: a captured tensor is copied when the
+        iterator is made (96 MiB for 8192 32x32 images, under a cap
+        where that copy ran out and the process ended).
+        """
         parts = tuple(part for part in self._arrays if part is not None)
         rows = int(keras.tree.flatten(parts[0])[0].shape[0])
         indices = tf.data.Dataset.range(rows).repeat()
         indices = indices.batch(batch_size, drop_remainder=True)
+        data = tf.data.Dataset.from_tensors(parts).repeat()
 
-        def gather(index):
+        def gather(index, parts):
             return keras.tree.map_structure(
                 lambda t: tf.gather(t, index), parts
             )
 
-        return indices.map(gather).take(_PROBE_STEPS)
+        batches = tf.data.Dataset.zip((indices, data)).map(
+            tf.autograph.experimental.do_not_convert(gather)
+        )
+        return batches.take(_PROBE_STEPS)
 
     def close(self) -> None:
         if self.guard is not None:
@@ -417,6 +449,17 @@ def _copied(array):
     if tensor.dtype.is_floating or tensor.dtype.is_integer:
         return tensor + 0
     return tf.identity(tensor)  # Booleans, strings: not numbers to add.
+
+
+def data_on(device, source) -> int:
+    """The bytes of `source`'s tensors that `device`'s memory holds all
+    through a run: arrays' (`Arrays.resident_bytes`), in host memory, so
+    on a CPU; none on an accelerator, nor for a pipeline's batches."""
+    return source.resident_bytes() if _is_host(device) else 0
+
+
+def _is_host(device) -> bool:
+    return memory.device_name(device).startswith("CPU:")
 
 
 def _current_bytes(device) -> int:

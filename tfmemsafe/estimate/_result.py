@@ -81,9 +81,9 @@ class MemoryEstimate:
         largest_tensor_bytes: float. The bytes per sample of the step's
             largest tensor (from the traced forward pass);
             `max_batch_size` keeps room for `SPARE_TENSORS` of them.
-        data_bytes: int. The data's arrays, which the probes copied into
-            the device's memory once and counted (part of `fixed_bytes`);
-            0 for a dataset.
+        data_bytes: int. The data's tensors (arrays as `fit` converts
+            them), in use before every probe and counted in `fixed_bytes`
+            on a CPU device; 0 for a dataset or an accelerator.
     """
 
     device: str

@@ -114,8 +114,12 @@ class SizePlanner:
         size that ran out needs more than the rest of the limit."""
         facts = self._facts_of(phase, source)
         state = estimate_lib.state_bytes(self.model)
+        # The data's tensors are in an estimate's line (`data_on`), so
+        # the need is compared with it with them, not among what is held.
         facts.held_when_ran_out = {
-            device: estimate_lib.held_bytes(device, state)
+            device: estimate_lib.held_bytes(
+                device, state + estimate_lib.data_on(device, source)
+            )
             for device in estimate_lib.devices_of(self.model)
         }
 
@@ -338,10 +342,10 @@ def _buckets_peak(buckets, batch_size: int) -> float:
 
 def _held_beside(made) -> int:
     """What is in use now that `made`'s line does not count already: not
-    the model's state, nor the data's arrays, which the probes counted in
-    its fixed part (the run's tensors, alive all through `fit`: counted
-    twice, they made the pre-flight check cut a batch of 128 that trains
-    to 32, 96 MiB of images under a 450 MB cap)."""
+    the model's state, nor the data's tensors, which the probes counted in
+    its fixed part (the run's, alive all through `fit`: counted twice,
+    they made the pre-flight check cut a batch of 128 that trains to 32,
+    96 MiB of images under a 450 MB cap)."""
     return estimate_lib.held_bytes(
         made.device, made.state_bytes + made.data_bytes
     )
@@ -382,11 +386,13 @@ def _largest_predicted(made, headroom: float) -> int:
 class _StaticBound:
     """The step's bound before any probe (see `estimate._graph`)."""
 
-    def __init__(self, model, terms, state_bytes, limits):
+    def __init__(self, model, terms, state_bytes, limits, source):
         self.fixed, self.per_sample = terms
         self.state_bytes = state_bytes
         self.limits = limits
         self.replicas = model.distribute_strategy.num_replicas_in_sync
+        # Per device: the data's tensors, in the bound and in use at once.
+        self.data = {d: estimate_lib.data_on(d, source) for d in limits}
 
     @classmethod
     def of(cls, model, source):
@@ -400,17 +406,17 @@ class _StaticBound:
             with model.distribute_strategy.scope():
                 model.optimizer.build(model.trainable_variables)
         state = estimate_lib.state_bytes(model)
-        terms = estimate_lib.bound_terms(
-            model, source.sample_inputs(), state, source.resident_bytes()
-        )
-        return None if terms is None else cls(model, terms, state, limits)
+        terms = estimate_lib.bound_terms(model, source.sample_inputs(), state)
+        if terms is None:
+            return None
+        return cls(model, terms, state, limits, source)
 
     def fits(self, batch_size: int) -> bool:
         per_replica = -(-batch_size // self.replicas)
         bound = self.fixed + self.per_sample * per_replica
-        return all(
-            memory.fits_within(
-                bound + estimate_lib.held_bytes(d, self.state_bytes), limit
-            )
-            for d, limit in self.limits.items()
-        )
+        for device, limit in self.limits.items():
+            data = self.data[device]
+            held = estimate_lib.held_bytes(device, self.state_bytes + data)
+            if not memory.fits_within(bound + data + held, limit):
+                return False
+        return True
