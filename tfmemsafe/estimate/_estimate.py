@@ -282,15 +282,17 @@ def _measure_lengths(probe, model, source, lengths, measurements, line, free):
         while second > 2 * first and not probe.room_for(fixed + each * second):
             second = max(second // 2 - second // 2 % replicas, 2 * first)
         high = run(second)
-        average = max(high - fixed, 0.0) / second
-        added = low - fixed - average * first
+        average, added = _per_sample_and_added(
+            fixed, (first, low), (second, high)
+        )
         if added > _CONFIRMED_EXCESS * max(low - fixed, 1.0):
             # Each read again: the higher at the second (a step can reach
             # it), the lower at the first (both must show what is added).
             high = max(high, run(second))
             low = min(low, run(first))
-            average = max(high - fixed, 0.0) / second
-            added = low - fixed - average * first
+            average, added = _per_sample_and_added(
+                fixed, (first, low), (second, high)
+            )
         points.append(length)
         slopes.append(average)
         excess.append(max(added, 0.0))
@@ -310,6 +312,16 @@ def _measure_lengths(probe, model, source, lengths, measurements, line, free):
         "length_fixed_coefficients": fixed_coefficients,
         "length_measurements": tuple(triples),
     }
+
+
+def _per_sample_and_added(fixed, low, high) -> tuple[float, float]:
+    """`(per_sample, added)` of a length's pair of probes, `(size, peak)`
+    each: per sample, the average over the fixed part at the larger; added,
+    what the smaller holds beyond that (what the length adds to the fixed
+    part)."""
+    (first, low_peak), (second, high_peak) = low, high
+    per_sample = max(high_peak - fixed, 0.0) / second
+    return per_sample, low_peak - fixed - per_sample * first
 
 
 def _fit_line(sizes, peaks) -> tuple[float, float]:
