@@ -241,8 +241,9 @@ def estimate_in_a_fresh_process(network):
 
 def estimate_after_other_work(network):
     """The same estimate after training, evaluate, predict and an earlier
-    estimate, in one process. (Not after a fragmented allocator: see
-    docs/memory-estimate.md, "Repeatability".)"""
+    estimate, in one process. (Not after an allocator grown or fragmented
+    before the first estimate: see docs/memory-estimate.md,
+    "Repeatability".)"""
     model, data = _repeat_model_and_data(network)
 
     def batches(size):
