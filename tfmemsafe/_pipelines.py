@@ -152,8 +152,18 @@ def for_keras(dataset, *, one_worker: bool):
         dataset = dataset.with_options(options)
     else:
         dataset = passed_through(dataset).prefetch(tf.data.AUTOTUNE)
+    return without_rewrites(dataset, one_worker=one_worker, set_by=optimization)
+
+
+def without_rewrites(dataset, *, one_worker: bool, set_by=None):
+    """`dataset` with tf.data's default optimizations off (unless
+    `set_by`, the pipeline's own optimization options, sets them) and,
+    with `one_worker`, no sharding: each rewrite copies every array the
+    pipeline holds when an iterator is made (see `for_keras`)."""
+    if set_by is None:
+        set_by = dataset.options().experimental_optimization
     options = tf.data.Options()
-    if optimization.apply_default_optimizations is None:
+    if set_by.apply_default_optimizations is None:
         options.experimental_optimization.apply_default_optimizations = False
     if one_worker:
         options.experimental_distribute.auto_shard_policy = (

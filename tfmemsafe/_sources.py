@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmemsafe import _checks
 from tfmemsafe import _pipelines
+from tfmemsafe import memory
 from tfmemsafe.distribute import is_multi_worker
 
 # Keras' default batch size, used for arrays and unbatched datasets.
@@ -167,8 +168,13 @@ class Source:
         return cardinality if cardinality >= 0 else None
 
     def resident_bytes(self) -> int:
-        """What the data itself keeps in device memory while training."""
+        """What the data itself keeps in host memory while training: in
+        the allocator's statistics, beside every step."""
         return 0  # A pipeline streams its batches.
+
+    def resident_bytes_now(self) -> int:
+        """Of `resident_bytes`, what is in the allocator now."""
+        return 0
 
     def sample_inputs(self):
         """The inputs of one sample, as a batch of one, to build a model.
@@ -215,6 +221,7 @@ class Arrays(Source):
         else:
             self.x, self.y, self.sample_weight = data, None, None
         self._tensors = None
+        self._allocated = 0  # Of the tensors, the bytes in the allocator.
         _check_cardinality(
             argument,
             {"x": self.x, "y": self.y, "sample_weight": self.sample_weight},
@@ -264,8 +271,9 @@ class Arrays(Source):
             if not all(leaf is None or _is_dense(leaf) for leaf in leaves):
                 self._tensors = False
             else:
+                before = _allocated_bytes()
                 with tf.device("CPU:0"):
-                    self._tensors = tuple(
+                    tensors = tuple(
                         None
                         if part is None
                         else keras.tree.map_structure(
@@ -273,6 +281,16 @@ class Arrays(Source):
                         )
                         for part in parts
                     )
+                # What the conversion added to the allocator: a tensor may
+                # use NumPy's buffer in place, outside it (an aligned
+                # array of a dtype kept as it is), or copy it in. Without
+                # statistics, all of them.
+                after = _allocated_bytes()
+                if before is None or after is None:
+                    self._allocated = self.resident_bytes()
+                else:
+                    self._allocated = max(after - before, 0)
+                self._tensors = tensors
         return self._tensors or None
 
     def _batches(self, tensors, batch_size: int, skip: int, order):
@@ -388,10 +406,20 @@ class Arrays(Source):
 
     def resident_bytes(self) -> int:
         # Their tensors (`tensors`) stay for the whole run, floats cast to
-        # `floatx`; counted without converting them (tracing the static
-        # bound just after an error must not convert).
+        # `floatx`, except where a tensor uses NumPy's buffer in place
+        # (outside the allocator). Before they are converted, all of them
+        # (a conversion may copy), counted without converting: tracing the
+        # static bound just after an error must not convert. Leaves that
+        # Keras converts itself are in memory through each of its calls.
+        if self._tensors:
+            return self._allocated
         leaves = keras.tree.flatten((self.x, self.y, self.sample_weight))
         return sum(_tensor_bytes(leaf) for leaf in leaves if leaf is not None)
+
+    def resident_bytes_now(self) -> int:
+        # Keras' own conversions last one call; tensors not made yet hold
+        # nothing.
+        return self._allocated if self._tensors else 0
 
     def _read_sample_inputs(self):
         return keras.tree.map_structure(lambda a: a[:1], self.x)
@@ -595,9 +623,19 @@ def _host_tensor(leaf):
 
 
 def _tensor_bytes(leaf) -> int:
-    """The bytes of `leaf` as `_host_tensor` converts it."""
+    """The bytes of `leaf` as `_host_tensor` (or Keras) converts it."""
     nbytes = int(getattr(leaf, "nbytes", 0))
-    dtype = getattr(leaf, "dtype", None)  # A DataFrame has none: `nbytes`.
+    if hasattr(leaf, "dtypes") and hasattr(leaf, "size"):  # pandas
+        return int(leaf.size) * tf.as_dtype(keras.config.floatx()).size
+    if hasattr(leaf, "nnz"):  # SciPy's sparse: values and indices.
+        return int(leaf.nnz) * (leaf.dtype.itemsize + 8 * len(leaf.shape))
+    if isinstance(leaf, tf.SparseTensor):
+        return _tensor_bytes(leaf.values) + _tensor_bytes(leaf.indices)
+    if isinstance(leaf, tf.RaggedTensor):
+        return sum(_tensor_bytes(t) for t in leaf.nested_row_splits) + (
+            _tensor_bytes(leaf.flat_values)
+        )
+    dtype = getattr(leaf, "dtype", None)
     shape = getattr(leaf, "shape", None)
     if dtype is None or shape is None or None in tuple(shape):
         return nbytes
@@ -610,6 +648,11 @@ def _tensor_bytes(leaf) -> int:
     if dtype.is_floating:
         dtype = tf.as_dtype(keras.config.floatx())
     return int(np.prod(tuple(shape), dtype=np.int64)) * dtype.size
+
+
+def _allocated_bytes() -> int | None:
+    """The bytes in use in CPU:0's allocator, or `None` without statistics."""
+    return memory.memory_info("CPU:0", include_limit=False).current_bytes
 
 
 def _take(array, order):

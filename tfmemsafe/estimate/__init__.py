@@ -14,6 +14,7 @@ from tfmemsafe.estimate._estimate import estimate_source
 from tfmemsafe.estimate._graph import bound_terms
 from tfmemsafe.estimate._lengths import resized_arguments
 from tfmemsafe.estimate._probe import Probe
+from tfmemsafe.estimate._probe import data_held_on
 from tfmemsafe.estimate._probe import data_on
 from tfmemsafe.estimate._probe import devices_of
 from tfmemsafe.estimate._probe import held_bytes
@@ -24,6 +25,7 @@ __all__ = [
     "MemoryEstimate",
     "Probe",
     "bound_terms",
+    "data_held_on",
     "data_on",
     "devices_of",
     "estimate_memory",

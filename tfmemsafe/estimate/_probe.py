@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _pipelines
 from tfmemsafe import _sources
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
@@ -245,15 +246,15 @@ class Probe:
             if isinstance(source, _sources.Arrays):
                 # The run's tensors (`Arrays.tensors`), gathered from as
                 # the run gathers: converted once, before every probe's
-                # window, and counted (`data_on`), not read: a tensor
-                # converted from NumPy may use the array's buffer in place
-                # or copy it into the allocator, a 24 MiB swing between
-                # processes on a small conv net's data. Never copied
-                # again: a second copy took a third of a 300 MB cap from
-                # a run whose data was 96 MiB. Without tensors (sparse
-                # leaves), copies of the arrays: an op's copy raises when
-                # memory is short, where converting an array in `fit` can
-                # end the process.
+                # window, and what that added to the allocator counted
+                # (`data_on`), not read: a tensor converted from NumPy may
+                # use the array's buffer in place or copy it in, a 24 MiB
+                # swing between processes on a small conv net's data.
+                # Never copied again: a second copy took a third of a 300
+                # MB cap from a run whose data was 96 MiB. Without tensors
+                # (leaves that Keras converts itself), copies of the
+                # arrays: an op's copy raises when memory is short, where
+                # converting an array in `fit` can end the process.
                 parts = source.tensors()
                 if parts is None:
                     with tf.device("CPU:0"):
@@ -433,7 +434,13 @@ class Probe:
         batches = tf.data.Dataset.zip((indices, data)).map(
             tf.autograph.experimental.do_not_convert(gather)
         )
-        return batches.take(_PROBE_STEPS)
+        # Without tf.data's rewrites, each of which copies the tensors
+        # (as the run's own batches, `_pipelines.for_keras`), and without
+        # its prefetch (a prefetched batch is in a step's peak).
+        return _pipelines.without_rewrites(
+            batches.take(_PROBE_STEPS),
+            one_worker=getattr(self.source, "one_worker", False),
+        )
 
     def close(self) -> None:
         if self.guard is not None:
@@ -456,6 +463,12 @@ def data_on(device, source) -> int:
     through a run: arrays' (`Arrays.resident_bytes`), in host memory, so
     on a CPU; none on an accelerator, nor for a pipeline's batches."""
     return source.resident_bytes() if _is_host(device) else 0
+
+
+def data_held_on(device, source) -> int:
+    """Of `data_on`, what `device`'s memory holds now: nothing before the
+    arrays are converted, nor between Keras' own conversions."""
+    return source.resident_bytes_now() if _is_host(device) else 0
 
 
 def _is_host(device) -> bool:

@@ -118,7 +118,7 @@ class SizePlanner:
         # the need is compared with it with them, not among what is held.
         facts.held_when_ran_out = {
             device: estimate_lib.held_bytes(
-                device, state + estimate_lib.data_on(device, source)
+                device, state + estimate_lib.data_held_on(device, source)
             )
             for device in estimate_lib.devices_of(self.model)
         }
@@ -147,7 +147,7 @@ class SizePlanner:
         if made is None or made.limit_bytes is None:
             return ""
         if buckets is None:
-            peak = _own_peak(made, batch_size)
+            peak = _own_peak(made, batch_size, source)
         else:  # The plan's memory model, at every bucket's batch.
             peak = _buckets_peak(buckets, batch_size)
         if _over(batch_size, facts.ran_out):
@@ -155,7 +155,7 @@ class SizePlanner:
             if held_then is None:
                 return ""
             peak = max(peak, made.limit_bytes - held_then)
-        peak += _held_beside(made)
+        peak += _held_beside(made, source)
         if not memory.fits_within(peak, made.limit_bytes):
             return ""
         return _against_limit(made, peak)
@@ -208,13 +208,13 @@ class SizePlanner:
             return count, why
         start = size
         while (
-            not _predicted_to_fit(made, size)
+            not _predicted_to_fit(made, size, source)
             and size // 2 >= floor
             and size > facts.trained
         ):
             size, count = size // 2, count + 1
         if size != start:
-            why = self._describe(made, start)
+            why = _against_limit(made, _predicted_peak(made, start, source))
         return count, why
 
     def max_batch_size(
@@ -225,7 +225,7 @@ class SizePlanner:
         made = self.estimate("training", source, largest)
         if made is None:
             return None
-        size = _largest_predicted(made, headroom)
+        size = _largest_predicted(made, source, headroom)
         size = min(size, largest)
         size -= size % multiple
         return size if size >= multiple else None
@@ -294,7 +294,7 @@ class SizePlanner:
             if not may_trace:
                 return False
             facts.bound = _StaticBound.of(self.model, source)
-        return facts.bound is not None and facts.bound.fits(batch_size)
+        return facts.bound is not None and facts.bound.fits(batch_size, source)
 
     def _room_to_read_data(self) -> bool:
         """Whether every device of the model has `_ROOM_TO_READ_DATA`
@@ -304,10 +304,6 @@ class SizePlanner:
             if free is not None and free < _ROOM_TO_READ_DATA:
                 return False
         return True
-
-    def _describe(self, made, batch_size: int) -> str:
-        """`"peak 812.3 MiB predicted against 90% of 450.0 MiB on CPU:0"`."""
-        return _against_limit(made, _predicted_peak(made, batch_size))
 
     def _key(self, phase: str, source) -> tuple:
         optimizer = id(self.model.optimizer) if phase == "training" else 0
@@ -321,9 +317,12 @@ def _over(size: int, ran_out: int | None) -> bool:
     return ran_out is not None and size >= ran_out
 
 
-def _own_peak(made, batch_size: int) -> float:
-    """The predicted peak of the step and its spare room."""
-    return made.peak_bytes(batch_size) + made.spare_bytes(batch_size)
+def _own_peak(made, batch_size: int, source) -> float:
+    """The predicted peak of the step and its spare room, on `source`: its
+    data's tensors in place of those the probes counted (`data_on`; the
+    same, or another source's of the same sample shape)."""
+    peak = made.peak_bytes(batch_size) + made.spare_bytes(batch_size)
+    return peak - made.data_bytes + estimate_lib.data_on(made.device, source)
 
 
 def _buckets_peak(buckets, batch_size: int) -> float:
@@ -340,21 +339,19 @@ def _buckets_peak(buckets, batch_size: int) -> float:
     )
 
 
-def _held_beside(made) -> int:
-    """What is in use now that `made`'s line does not count already: not
-    the model's state, nor the data's tensors, which the probes counted in
-    its fixed part (the run's, alive all through `fit`: counted twice,
-    they made the pre-flight check cut a batch of 128 that trains to 32,
-    96 MiB of images under a 450 MB cap)."""
-    return estimate_lib.held_bytes(
-        made.device, made.state_bytes + made.data_bytes
-    )
+def _held_beside(made, source) -> int:
+    """What is in use now that `_own_peak` does not count already: not the
+    model's state, nor `source`'s tensors where they are in memory now
+    (`data_held_on`; counted twice, 96 MiB of images made the pre-flight
+    check cut a batch of 128 that trains to 32 under a 450 MB cap)."""
+    data = estimate_lib.data_held_on(made.device, source)
+    return estimate_lib.held_bytes(made.device, made.state_bytes + data)
 
 
-def _predicted_peak(made, batch_size: int) -> float:
-    """The predicted peak and its spare room, beside what something else
-    holds now."""
-    return _own_peak(made, batch_size) + _held_beside(made)
+def _predicted_peak(made, batch_size: int, source) -> float:
+    """The predicted peak and its spare room on `source`, beside what
+    something else holds now."""
+    return _own_peak(made, batch_size, source) + _held_beside(made, source)
 
 
 def _against_limit(made, peak: float) -> str:
@@ -366,33 +363,31 @@ def _against_limit(made, peak: float) -> str:
     )
 
 
-def _predicted_to_fit(made, batch_size: int, headroom=None) -> bool:
+def _predicted_to_fit(made, batch_size: int, source, headroom=None) -> bool:
     return memory.fits_within(
-        _predicted_peak(made, batch_size),
+        _predicted_peak(made, batch_size, source),
         made.limit_bytes,
         memory.HEADROOM if headroom is None else headroom,
     )
 
 
-def _largest_predicted(made, headroom: float) -> int:
+def _largest_predicted(made, source, headroom: float) -> int:
     """The largest batch `_predicted_to_fit` with `headroom`, or 0."""
-    if not _predicted_to_fit(made, 1, headroom):
+    if not _predicted_to_fit(made, 1, source, headroom):
         return 0
     return estimate_lib.largest_fitting(
-        lambda size: _predicted_to_fit(made, size, headroom), 1
+        lambda size: _predicted_to_fit(made, size, source, headroom), 1
     )
 
 
 class _StaticBound:
     """The step's bound before any probe (see `estimate._graph`)."""
 
-    def __init__(self, model, terms, state_bytes, limits, source):
+    def __init__(self, model, terms, state_bytes, limits):
         self.fixed, self.per_sample = terms
         self.state_bytes = state_bytes
         self.limits = limits
         self.replicas = model.distribute_strategy.num_replicas_in_sync
-        # Per device: the data's tensors, in the bound and in use at once.
-        self.data = {d: estimate_lib.data_on(d, source) for d in limits}
 
     @classmethod
     def of(cls, model, source):
@@ -409,14 +404,18 @@ class _StaticBound:
         terms = estimate_lib.bound_terms(model, source.sample_inputs(), state)
         if terms is None:
             return None
-        return cls(model, terms, state, limits, source)
+        return cls(model, terms, state, limits)
 
-    def fits(self, batch_size: int) -> bool:
+    def fits(self, batch_size: int, source) -> bool:
+        """Whether the bound at `batch_size` fits on every device, with
+        `source`'s tensors (whether in memory yet or not) and what
+        something else holds now."""
         per_replica = -(-batch_size // self.replicas)
         bound = self.fixed + self.per_sample * per_replica
         for device, limit in self.limits.items():
-            data = self.data[device]
-            held = estimate_lib.held_bytes(device, self.state_bytes + data)
+            data = estimate_lib.data_on(device, source)
+            now = estimate_lib.data_held_on(device, source)
+            held = estimate_lib.held_bytes(device, self.state_bytes + now)
             if not memory.fits_within(bound + data + held, limit):
                 return False
         return True
