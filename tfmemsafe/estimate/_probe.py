@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _pipelines
 from tfmemsafe import _sources
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
@@ -433,12 +434,13 @@ class Probe:
         batches = tf.data.Dataset.zip((indices, data)).map(
             tf.autograph.experimental.do_not_convert(gather)
         )
-        # With tf.data's default optimizations, as before: turning them
-        # off (as `_pipelines.for_keras` does for the run) also drops the
-        # prefetch they inject, and the probes then read lower than the
-        # run's prefetched steps (on `benchmarks/oom_recovery.py` from 8x,
-        # 256 was predicted to fit under 450 MB and ran out).
-        return batches.take(_PROBE_STEPS)
+        # Without tf.data's rewrites, each of which copies the tensors
+        # (as the run's own batches, `_pipelines.for_keras`), and without
+        # its prefetch (a prefetched batch is in a step's peak).
+        return _pipelines.without_rewrites(
+            batches.take(_PROBE_STEPS),
+            one_worker=getattr(self.source, "one_worker", False),
+        )
 
     def close(self) -> None:
         if self.guard is not None:
