@@ -241,7 +241,6 @@ class Probe:
         self.guard = None
         try:
             self.state_bytes = state_bytes(model)
-            self.data_bytes = 0
             self._arrays = None
             if isinstance(source, _sources.Arrays):
                 # The run's tensors (`Arrays.tensors`), gathered from as
@@ -269,7 +268,6 @@ class Probe:
                             )
                         )
                 self._arrays = parts
-                self.data_bytes = source.resident_bytes()
             self.window = memory.PeakWindow(devices)
             self.tried = []
             # Last, so that nothing after it can raise and leave it on.
@@ -296,8 +294,8 @@ class Probe:
             raise
 
     def data_on(self, device) -> int:
-        """The data's bytes counted in `device`'s readings (`data_on`)."""
-        return self.data_bytes if _is_host(device) else 0
+        """The data's bytes counted in `device`'s readings."""
+        return data_on(device, self.source)
 
     def counted_bytes(self, device) -> int:
         """What every reading on `device` counts besides the step's growth:
@@ -434,9 +432,12 @@ class Probe:
         batches = tf.data.Dataset.zip((indices, data)).map(
             tf.autograph.experimental.do_not_convert(gather)
         )
-        # Without tf.data's rewrites, each of which copies the tensors
-        # (as the run's own batches, `_pipelines.for_keras`), and without
-        # its prefetch (a prefetched batch is in a step's peak).
+        # Without tf.data's rewrites, as the run's own batches
+        # (`_pipelines.for_keras`): with them, the rewrite copied 96 MiB of
+        # images into the probes' steps under a 300 MB cap. That also
+        # drops the prefetch they inject, and from 8x on
+        # `benchmarks/oom_recovery.py` the probes read lower than the
+        # run's prefetched steps (docs/benchmarks.md): not settled yet.
         return _pipelines.without_rewrites(
             batches.take(_PROBE_STEPS),
             one_worker=getattr(self.source, "one_worker", False),
