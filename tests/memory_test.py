@@ -710,6 +710,7 @@ class OneRegionTest(tf.test.TestCase):
         cls.free, cls.held = _models.side_by_side(
             one_region_reserved, [[0], [60]], cap_mb=300
         )
+        cls.large = testing.run_with_memory_cap(one_region_reserved, 4096)
 
     def test_most_of_the_cap_is_reserved_once(self):
         self.assertGreaterEqual(self.free["first"], 150 * _MB, self.free)
@@ -724,6 +725,13 @@ class OneRegionTest(tf.test.TestCase):
         # What grows is the allocator's bookkeeping, 8 bytes per 256.
         growth = self.free["resident_growth"]
         self.assertLess(growth, self.free["first"] / 16, self.free)
+
+    def test_a_region_past_2_gib_is_reserved(self):
+        # One dimension of bytes stops at 2**31 - 1; whole MiB do not.
+        self.assertGreater(self.large["first"], 2**31, self.large)
+        self.assertEqual(self.large["first"] % _MB, 0, self.large)
+        growth = self.large["resident_growth"]
+        self.assertLess(growth, self.large["first"] / 16, self.large)
 
     def test_nothing_is_reserved_when_it_might_not_fit(self):
         # 60 MiB in use: the regions grown for it may take four times

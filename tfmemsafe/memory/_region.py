@@ -42,6 +42,7 @@ _SPARE_BYTES = 16 * 2**20
 # Not worth a region (or not safe to ask for) below this share of the
 # limit.
 _SMALLEST_SHARE = 0.5
+_ROW_BYTES = 2**20
 
 _lock = threading.Lock()
 _done = False
@@ -86,11 +87,17 @@ def _reserve() -> int:
             most,
         )
         return 0
+    # Whole MiB, as rows of a matrix: `Empty` takes an int32 shape, and
+    # one dimension of bytes stops at 2 GiB.
+    rows = size // _ROW_BYTES
+    size = rows * _ROW_BYTES
     window = _info.PeakWindow(["CPU:0"])
     window.reset()  # The peak so far is kept; the reservation's is not.
     try:
         with tf.device("CPU:0"):
-            block = tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False)
+            block = tf.raw_ops.Empty(
+                shape=[rows, _ROW_BYTES], dtype=tf.uint8, init=False
+            )
         del block
         logging.info(
             "tfmemsafe: the capped CPU allocator reserved %d bytes as one "
