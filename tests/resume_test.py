@@ -642,8 +642,12 @@ class RealOutOfMemoryTest(tf.test.TestCase):
     def test_oom_mid_epoch_resumes_at_the_failed_step(self):
         result = self.result(growing_batches_under_cap)
         [event] = result["events"]
-        self.assertEqual((event["epoch"], event["step"]), (0, 20))
-        self.assertEqual(event["resumed_at_step"], 20)
+        # The first large batch, step 20, peaks about 10% over the cap
+        # with room (87.8 MiB against 80); squeezed, it ran once, and the
+        # next step ran out instead: any large step may be the one.
+        self.assertEqual(event["epoch"], 0, msg=event)
+        self.assertBetween(event["step"], _STEPS // 2, _STEPS - 1)
+        self.assertEqual(event["resumed_at_step"], event["step"])
         self.assertEqual(
             (event["batch_size_before"], event["batch_size_after"]), (32, 16)
         )
