@@ -37,7 +37,6 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmemsafe import _pipelines
 from tfmemsafe import _sources
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
@@ -411,35 +410,16 @@ class Probe:
             )
 
     def _batches(self, batch_size: int):
-        """`_PROBE_STEPS` batches gathered from the data's tensors.
-
-        The tensors enter the pipeline as a dataset's elements, not as a
-        `map` function's captures: a captured tensor is copied when the
-        iterator is made (96 MiB for 8192 32x32 images, under a cap
-        where that copy ran out and the process ended).
-        """
+        """`_PROBE_STEPS` batches gathered from the data's tensors, as the
+        run's own are (`_sources.gathered`): with its parallel gather and
+        final prefetch, whose batches are alive during its steps."""
         parts = tuple(part for part in self._arrays if part is not None)
         rows = int(keras.tree.flatten(parts[0])[0].shape[0])
         indices = tf.data.Dataset.range(rows).repeat()
         indices = indices.batch(batch_size, drop_remainder=True)
-        data = tf.data.Dataset.from_tensors(parts).repeat()
-
-        def gather(index, parts):
-            return keras.tree.map_structure(
-                lambda t: tf.gather(t, index), parts
-            )
-
-        batches = tf.data.Dataset.zip((indices, data)).map(
-            tf.autograph.experimental.do_not_convert(gather)
-        )
-        # Without tf.data's rewrites, as the run's own batches
-        # (`_pipelines.for_keras`): with them, the rewrite copied 96 MiB of
-        # images into the probes' steps under a 300 MB cap. That also
-        # drops the prefetch they inject, and from 8x on
-        # `benchmarks/oom_recovery.py` the probes read lower than the
-        # run's prefetched steps (docs/benchmarks.md): not settled yet.
-        return _pipelines.without_rewrites(
-            batches.take(_PROBE_STEPS),
+        return _sources.gathered(
+            indices.take(_PROBE_STEPS),
+            parts,
             one_worker=getattr(self.source, "one_worker", False),
         )
 
