@@ -878,6 +878,40 @@ class _LengthProbe:
         return True
 
 
+def lengths_on_arrays():
+    """`estimate_memory(..., lengths=...)` on padded token-id arrays."""
+    model = testing.reference_model("gru", (None,))
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 2000, (2048, 64)).astype("int32")
+    y = rng.integers(0, 4, 2048).astype("int32")
+    before = tfmemsafe.memory_info("CPU:0").current_bytes
+    estimate = tfmemsafe.estimate_memory(model, (x, y), lengths=[128])
+    return {
+        "lengths": [n for _, n, _ in estimate.length_measurements],
+        "at_64": estimate.peak_bytes(64),
+        "at_128": estimate.peak_bytes(64, length=128),
+        "data_bytes": estimate.data_bytes,
+        "state_bytes": estimate.state_bytes,
+        "left": tfmemsafe.memory_info("CPU:0").current_bytes - before,
+    }
+
+
+class LengthsOnArraysTest(tf.test.TestCase):
+    """Arrays are probed at other lengths from the run's own tensors."""
+
+    def test_arrays_are_probed_at_another_length(self):
+        result = testing.run_with_memory_cap(lengths_on_arrays, 700)
+        self.assertEqual(result["lengths"], [128, 128], msg=result)
+        self.assertGreater(result["at_128"], result["at_64"], msg=result)
+        # At most the 2048 x 65 int32 values, once: what converting them
+        # added to the allocator (a tensor may use NumPy's buffer).
+        self.assertLessEqual(result["data_bytes"], 2048 * 65 * 4, msg=result)
+        # Nothing kept but the model's state and the converted arrays: no
+        # copy of the data (0.5 MiB) stays.
+        kept = result["state_bytes"] + result["data_bytes"]
+        self.assertLess(result["left"], kept + 2**18, msg=result)
+
+
 class LengthProbesTest(tf.test.TestCase):
     """What a length adds to the fixed part must show in two readings."""
 

@@ -48,14 +48,21 @@ def resized_arguments(source, batch_size: int, length: int, steps: int):
 
 def _batches(source, batch_size: int):
     if isinstance(source, _sources.Arrays):
-        # The run's tensors (`Arrays.tensors`); sparse or ragged arrays
-        # as they are.
-        tensors = source.tensors() or (
-            source.x,
-            source.y,
-            source.sample_weight,
-        )
-        parts = tuple(part for part in tensors if part is not None)
+        tensors = source.tensors()
+        if tensors:
+            # The run's tensors, batched as the run batches them (and as
+            # the probes at the data's own length are).
+            parts = tuple(part for part in tensors if part is not None)
+            rows = int(tf.nest.flatten(parts[0])[0].shape[0])
+            indices = tf.data.Dataset.range(rows).repeat()
+            return _sources.gathered(
+                indices.batch(batch_size, drop_remainder=True),
+                parts,
+                one_worker=source.one_worker,
+            )
+        # Sparse or other arrays that Keras slices itself, as they are.
+        parts = (source.x, source.y, source.sample_weight)
+        parts = tuple(part for part in parts if part is not None)
         dataset = tf.data.Dataset.from_tensor_slices(parts)
         return dataset.repeat().batch(batch_size, drop_remainder=True)
     return source.dataset(batch_size, repeat=True)
