@@ -75,7 +75,8 @@ _LENGTHS = [128, 256]
 # earlier runs the transformer read -0.4 to -0.8%, the GRU +1 to +2%, the
 # MLP +2% (+11% at 2x, on a floor of 25 MiB under a 250 MB cap), the conv
 # net at 4096 -10 to -20% (its steps there peaked 630 to 813 MiB in one
-# process).
+# process); since, the conv net -5% to -30% (`_UNMET`: its 25% is
+# asserted only in the opt-in proof).
 _TOLERANCE = {
     "conv_net": 0.25,
     "residual_net": 0.20,
@@ -404,9 +405,11 @@ class ConvNetRepeatableTest(RepeatableTest):
 @_HARD_CASE
 class FitEstimateRepeatableTest(tf.test.TestCase):
     """Five fresh processes make the estimate `fit` makes within 3%, on the
-    32x32 conv net (passed in its one run since the region; before it,
-    two processes of five read 198.7 and 255.0 MB where three agreed to
-    0.05%)."""
+    32x32 conv net. It passed with the probes' batches made without the
+    run's prefetch; with them (as the run's own, `_sources.gathered`) it
+    read ±6.4% in its one run (docs/memory-estimate.md, "Repeatability");
+    before the region, two processes of five read 198.7 and 255.0 MB
+    where three agreed to 0.05%."""
 
     def test_five_processes_predict_within_3pct(self):
         _assert_agree(
@@ -481,9 +484,10 @@ class OneDnnAccuracyTest(parameterized.TestCase, tf.test.TestCase):
 
     The accuracy alone: a real out-of-memory error would end a process
     with oneDNN on, so `max_batch_size()` is checked with it off
-    (`RealCapTest`). The image networks read -9% to -13% at 4x with
-    oneDNN on in one process each (docs/memory-estimate.md, "Status"), and
-    are not asserted here.
+    (`RealCapTest`). The conv net and the `AccumulatingModel` read -9% to
+    -13% at 4x with oneDNN on in one process each, the residual net and
+    the MLP -2% to -8% (docs/memory-estimate.md, "Status"); the image
+    networks and the MLP are not asserted here.
     """
 
     @classmethod
@@ -968,7 +972,9 @@ class LengthsOnArraysTest(tf.test.TestCase):
 
     def test_arrays_are_probed_at_another_length(self):
         result = testing.run_with_memory_cap(lengths_on_arrays, 700)
-        self.assertEqual(result["lengths"], [128, 128], msg=result)
+        # Two probes at 128, each read again where the pair disagreed.
+        self.assertEqual(set(result["lengths"]), {128}, msg=result)
+        self.assertIn(len(result["lengths"]), (2, 4), msg=result)
         self.assertGreater(result["at_128"], result["at_64"], msg=result)
         # At most the 2048 x 65 int32 values, once: what converting them
         # added to the allocator (a tensor may use NumPy's buffer).

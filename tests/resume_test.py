@@ -536,7 +536,8 @@ def _state(model):
 
 
 def growing_batches_under_cap():
-    """Training runs out at step 20 of 40, when the images grow."""
+    """Training runs out at a step from 20 of 40 on, where the images
+    grow (the first large step is about 10% over the cap)."""
     rows = _STEPS * _GROWING_BATCH
     data, _ = _growing_images(rows)
     model = _conv_net(rows)

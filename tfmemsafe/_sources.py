@@ -576,11 +576,13 @@ class DatasetCallable(Source):
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 
 
-def gathered(indices, parts, *, one_worker: bool):
+def gathered(indices, parts, *, one_worker: bool, then=None):
     """The batches of `parts` (a structure of tensors) at each element of
     `indices` (a dataset of index vectors), as the run trains on them: a
     parallel gather, in order, handed to Keras as tfmemsafe hands every
     pipeline (`_pipelines.for_keras`: prefetched, tf.data's rewrites off).
+    `then`, if given, is applied to each gathered batch in the same
+    parallel map (before the prefetch, whose buffers then hold its result).
 
     The tensors enter as a dataset's elements, not as a `map` function's
     captures: a captured tensor is copied when an iterator is made (96 MiB
@@ -590,7 +592,8 @@ def gathered(indices, parts, *, one_worker: bool):
     data = tf.data.Dataset.from_tensors(parts).repeat()
 
     def gather(index, parts):
-        return keras.tree.map_structure(lambda t: tf.gather(t, index), parts)
+        batch = keras.tree.map_structure(lambda t: tf.gather(t, index), parts)
+        return batch if then is None else then(batch)
 
     dataset = tf.data.Dataset.zip((indices, data)).map(
         tf.autograph.experimental.do_not_convert(gather),

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import _pipelines
 from tfmemsafe import _sources
 
 
@@ -33,7 +34,6 @@ def base_length(source) -> int | None:
 def resized_arguments(source, batch_size: int, length: int, steps: int):
     """`model.fit` arguments for `steps` batches at `length`."""
     base = base_length(source)
-    dataset = _batches(source, batch_size)
 
     def resize(tensor):
         if len(tensor.shape) < 2 or tensor.shape[1] != base:
@@ -42,30 +42,42 @@ def resized_arguments(source, batch_size: int, length: int, steps: int):
         multiples = [1, times] + [1] * (len(tensor.shape) - 2)
         return tf.tile(tensor, multiples)[:, :length]
 
-    dataset = dataset.map(lambda *batch: tf.nest.map_structure(resize, batch))
-    return {"x": dataset.take(steps), "shuffle": False}
+    def resized(batch):
+        return tf.nest.map_structure(resize, batch)
+
+    return {"x": _batches(source, batch_size, steps, resized), "shuffle": False}
 
 
-def _batches(source, batch_size: int):
+def _batches(source, batch_size: int, steps: int, resized):
+    """`steps` batches of `source` at `batch_size`, each through `resized`."""
     if isinstance(source, _sources.Arrays):
         tensors = source.tensors()
         if tensors:
-            # The run's tensors, batched as the run batches them (and as
-            # the probes at the data's own length are).
+            # The run's tensors, batched and resized in the run's own
+            # parallel gather, before its prefetch (whose buffers then
+            # hold batches at `length`, as the run's would).
             parts = tuple(part for part in tensors if part is not None)
             rows = int(tf.nest.flatten(parts[0])[0].shape[0])
             indices = tf.data.Dataset.range(rows).repeat()
+            indices = indices.batch(batch_size, drop_remainder=True)
             return _sources.gathered(
-                indices.batch(batch_size, drop_remainder=True),
+                indices.take(steps),
                 parts,
                 one_worker=source.one_worker,
+                then=resized,
             )
-        # Sparse or other arrays that Keras slices itself, as they are.
+        # Sparse or other arrays that Keras slices itself, as they are,
+        # without tf.data's rewrites (which copy what a pipeline holds).
         parts = (source.x, source.y, source.sample_weight)
         parts = tuple(part for part in parts if part is not None)
         dataset = tf.data.Dataset.from_tensor_slices(parts)
-        return dataset.repeat().batch(batch_size, drop_remainder=True)
-    return source.dataset(batch_size, repeat=True)
+        dataset = dataset.repeat().batch(batch_size, drop_remainder=True)
+        dataset = _pipelines.without_rewrites(
+            dataset, one_worker=source.one_worker
+        )
+    else:
+        dataset = source.dataset(batch_size, repeat=True)
+    return dataset.map(lambda *batch: resized(batch)).take(steps)
 
 
 def fit_powers(lengths, slopes, powers, relative=True) -> tuple[float, ...]:
