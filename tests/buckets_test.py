@@ -609,6 +609,25 @@ class MemoryBucketsTest(tf.test.TestCase):
             list(buckets.bucket_boundaries), [n + 1 for n in lengths]
         )
 
+    def test_the_arrays_an_estimate_was_made_on_are_left_out(self):
+        # An estimate made on 200 MiB of arrays counts them in its line; a
+        # bucketed pipeline does not hold them.
+        data = 200 * 2**20
+        plain = _estimate(length_measurements=((16, 128, 130 * 2**20),))
+        on_arrays = _estimate(
+            fixed_bytes=plain.fixed_bytes + data,
+            measurements=tuple((b, p + data) for b, p in plain.measurements),
+            length_measurements=((16, 128, 130 * 2**20 + data),),
+            data_bytes=data,
+        )
+        sizes = [
+            tfmemsafe.data.memory_buckets(
+                self.train, self.model, estimate=estimate
+            ).bucket_batch_sizes
+            for estimate in (plain, on_arrays)
+        ]
+        self.assertEqual(sizes[0], sizes[1])
+
     def test_each_bucket_gets_the_largest_batch_predicted_to_fit(self):
         estimate = _estimate()
         buckets = self._buckets(multiple=8, max_batch_size=10**6)

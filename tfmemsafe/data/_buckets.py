@@ -311,8 +311,9 @@ def memory_buckets(
             `estimate`, with its buckets' measurements), to use instead of
             making one and measuring. Under a multi-worker strategy, one
             device's, made outside the strategy (as the plan makes its
-            own): it is scaled to the job's global batch. Defaults to
-            `None`.
+            own): it is scaled to the job's global batch. Arrays it was
+            made on are left out of its line (`data_bytes`): the buckets'
+            pipeline does not hold them. Defaults to `None`.
 
     Returns:
         A `MemoryBuckets`; its `apply(dataset)` batches the data.
@@ -521,7 +522,7 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
     workers = distribute.is_multi_worker(strategy)
     replicas = strategy.num_replicas_in_sync if workers else 1
     if estimate is not None:
-        estimate = _workers.global_estimate(estimate, replicas)
+        estimate = _workers.global_estimate(_without_data(estimate), replicas)
         held = estimate_lib.held_bytes(estimate.device, estimate.state_bytes)
         return (
             estimate,
@@ -574,6 +575,24 @@ def _planned(model, dataset, lengths, padded, counts, estimate, sizing):
         for n in padded
     ]
     return estimate, held, sizes
+
+
+def _without_data(estimate):
+    """`estimate` without the arrays it was made on (`data_bytes`, in its
+    fixed part and every reading): a bucketed pipeline does not hold them,
+    and what is in memory now is counted as held beside the line."""
+    data = estimate.data_bytes
+    if not data:
+        return estimate
+    return dataclasses.replace(
+        estimate,
+        fixed_bytes=estimate.fixed_bytes - data,
+        measurements=tuple((b, p - data) for b, p in estimate.measurements),
+        length_measurements=tuple(
+            (b, n, p - data) for b, n, p in estimate.length_measurements
+        ),
+        data_bytes=0,
+    )
 
 
 def _probe_lengths(padded, base) -> list:
