@@ -576,6 +576,16 @@ class DatasetCallable(Source):
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 
 
+def cycled(parts, batch_size: int, steps: int, *, one_worker: bool, then=None):
+    """`steps` batches of `batch_size` rows of `parts` (a tuple of
+    structures of tensors) from the first row, wrapping round at the end,
+    made as the run's own are (`gathered`, with `then`): the probes'."""
+    rows = int(keras.tree.flatten(parts[0])[0].shape[0])
+    indices = tf.data.Dataset.range(rows).repeat()
+    indices = indices.batch(batch_size, drop_remainder=True).take(steps)
+    return gathered(indices, parts, one_worker=one_worker, then=then)
+
+
 def gathered(indices, parts, *, one_worker: bool, then=None):
     """The batches of `parts` (a structure of tensors) at each element of
     `indices` (a dataset of index vectors), as the run trains on them: a

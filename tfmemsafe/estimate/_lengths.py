@@ -56,13 +56,10 @@ def _batches(source, batch_size: int, steps: int, resized):
             # The run's tensors, batched and resized in the run's own
             # parallel gather, before its prefetch (whose buffers then
             # hold batches at `length`, as the run's would).
-            parts = tuple(part for part in tensors if part is not None)
-            rows = int(tf.nest.flatten(parts[0])[0].shape[0])
-            indices = tf.data.Dataset.range(rows).repeat()
-            indices = indices.batch(batch_size, drop_remainder=True)
-            return _sources.gathered(
-                indices.take(steps),
-                parts,
+            return _sources.cycled(
+                tuple(part for part in tensors if part is not None),
+                batch_size,
+                steps,
                 one_worker=source.one_worker,
                 then=resized,
             )

@@ -413,14 +413,11 @@ class Probe:
         """`_PROBE_STEPS` batches gathered from the data's tensors, as the
         run's own are (`_sources.gathered`): with its parallel gather and
         final prefetch, whose batches are alive during its steps."""
-        parts = tuple(part for part in self._arrays if part is not None)
-        rows = int(keras.tree.flatten(parts[0])[0].shape[0])
-        indices = tf.data.Dataset.range(rows).repeat()
-        indices = indices.batch(batch_size, drop_remainder=True)
-        return _sources.gathered(
-            indices.take(_PROBE_STEPS),
-            parts,
-            one_worker=getattr(self.source, "one_worker", False),
+        return _sources.cycled(
+            tuple(part for part in self._arrays if part is not None),
+            batch_size,
+            _PROBE_STEPS,
+            one_worker=self.source.one_worker,
         )
 
     def close(self) -> None:
