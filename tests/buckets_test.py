@@ -620,13 +620,13 @@ class MemoryBucketsTest(tf.test.TestCase):
             length_measurements=((16, 128, 130 * 2**20 + data),),
             data_bytes=data,
         )
-        sizes = [
-            tfmemsafe.data.memory_buckets(
-                self.train, self.model, estimate=estimate
-            ).bucket_batch_sizes
-            for estimate in (plain, on_arrays)
-        ]
-        self.assertEqual(sizes[0], sizes[1])
+        buckets = tfmemsafe.data.memory_buckets(
+            self.train, self.model, estimate=on_arrays
+        )
+        # The plan sizes by the estimate without them, exactly. (Not two
+        # plans' sizes compared: each reads what is in use when it plans,
+        # and two calls read it 0.3% apart in one CI run.)
+        self.assertEqual(buckets.estimate, plain)
 
     def test_each_bucket_gets_the_largest_batch_predicted_to_fit(self):
         estimate = _estimate()
