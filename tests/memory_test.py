@@ -747,6 +747,13 @@ class CpuLimitTest(tf.test.TestCase):
     """The CPU limit follows the allocator TensorFlow was told to use."""
 
     def _limit(self, environment, machine_bytes):
+        # The limit is read from the environment, but TensorFlow chooses
+        # the CPU's allocator from it once, when its device is created.
+        # Create the device first, under this process's own environment:
+        # created under the patched one, it would keep no statistics for
+        # every later test in this process (pytest-xdist may run this test
+        # first in a worker).
+        tf.config.list_logical_devices("CPU")
         with (
             mock.patch.dict(os.environ, environment),
             _models.machine_memory(machine_bytes),
