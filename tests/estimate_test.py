@@ -790,6 +790,29 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(estimate.max_batch_size(), 533)
         self.assertEqual(estimate.peak_bytes(100), 200 * _MB)
 
+    def test_the_largest_tensor_follows_its_traced_lengths(self):
+        # Traced at 64 (the data's), 128 and 256: a quadratic tensor, while
+        # the per-sample part as a whole is linear.
+        estimate = dataclasses.replace(
+            self._by_length((0.0, 1.0, 0.0)),
+            largest_tensor_bytes=_MB / 4,
+            largest_tensor_lengths=((128, _MB), (256, 4 * _MB)),
+        )
+        at = estimate.largest_tensor_bytes_at
+        self.assertEqual(at(None), _MB / 4)
+        self.assertAllClose(at(128), _MB)
+        self.assertAllClose(at(181), _MB * (181 / 128) ** 2, rtol=1e-6)
+        # Beyond: the square past the longest, the length below the
+        # shortest (on the safe side of the square).
+        self.assertAllClose(at(512), 16 * _MB)
+        self.assertAllClose(at(32), _MB / 8)
+        self.assertAllClose(estimate.spare_bytes(10, 256), 40 * _MB, atol=1)
+        # 900 MB usable - 100 MB fixed: 4 MB a sample and 4 MB spare.
+        self.assertIn(estimate.max_batch_size(length=256), (99, 100))
+        # Without traced lengths, the spare scales as the per-sample part.
+        linear = dataclasses.replace(estimate, largest_tensor_lengths=())
+        self.assertAllClose(linear.largest_tensor_bytes_at(256), _MB)
+
     def test_a_length_adds_to_the_fixed_part_only_past_the_data_length(self):
         estimate = self._by_length((0.0, 1.0, 0.0))
         estimate = dataclasses.replace(

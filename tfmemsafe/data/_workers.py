@@ -177,6 +177,10 @@ def global_estimate(estimate, replicas: int):
         estimate,
         per_sample_bytes=estimate.per_sample_bytes / replicas,
         largest_tensor_bytes=estimate.largest_tensor_bytes / replicas,
+        largest_tensor_lengths=tuple(
+            (length, each / replicas)
+            for length, each in estimate.largest_tensor_lengths
+        ),
         measurements=tuple(
             (size * replicas, peak) for size, peak in estimate.measurements
         ),

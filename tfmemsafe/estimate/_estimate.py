@@ -211,6 +211,10 @@ def estimate_source(
     # micro-batch of an `AccumulatingModel`.
     split = replicas * getattr(model, "accumulation_steps", 1)
     largest_tensor = 0.0 if traced is None else traced.largest / split
+    if lengths:
+        second["largest_tensor_lengths"] = _largest_at_lengths(
+            model, source, lengths, split
+        )
     estimate = MemoryEstimate(
         device=device,
         limit_bytes=limits[device],
@@ -224,6 +228,17 @@ def estimate_source(
     )
     logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)
     return estimate
+
+
+def _largest_at_lengths(model, source, lengths, split):
+    """`(length, bytes)`: the traced step's largest tensor per sample (of
+    the global batch, on one replica device) at each of `lengths`."""
+    pairs = []
+    for length in lengths:
+        traced = _graph.per_sample_bytes(model, source.sample_inputs(), length)
+        if traced is not None:
+            pairs.append((int(length), traced.largest / split))
+    return tuple(pairs)
 
 
 def _measure_lengths(probe, model, source, lengths, measurements, line, free):

@@ -81,6 +81,11 @@ class MemoryEstimate:
         largest_tensor_bytes: float. The bytes per sample of the step's
             largest tensor (from the traced forward pass);
             `max_batch_size` keeps room for `SPARE_TENSORS` of them.
+        largest_tensor_lengths: tuple of `(length, bytes)` pairs, or `()`.
+            The largest tensor's bytes per sample traced at the probes'
+            other lengths (an attention's scores grow with the square of
+            the length, faster than the per-sample part as a whole);
+            `spare_bytes` interpolates between them.
         data_bytes: int. The data's tensors (arrays as `fit` converts
             them), in use before every probe and counted in `fixed_bytes`
             on a CPU device; 0 for a dataset or an accelerator.
@@ -98,6 +103,7 @@ class MemoryEstimate:
     largest_tensor_bytes: float = 0.0
     length_fixed_coefficients: tuple[float, ...] = ()
     data_bytes: int = 0
+    largest_tensor_lengths: tuple[tuple[int, float], ...] = ()
 
     def peak_bytes(self, batch_size: int, length: int | None = None) -> int:
         """The predicted peak of a training step at `batch_size`.
@@ -133,9 +139,40 @@ class MemoryEstimate:
 
     def spare_bytes(self, batch_size: int, length: int | None = None) -> int:
         """The room `max_batch_size` keeps beside the predicted peak."""
-        scale = self.per_sample_bytes_at(length) / self.per_sample_bytes
-        largest = self.largest_tensor_bytes * scale * batch_size
+        largest = self.largest_tensor_bytes_at(length) * batch_size
         return int(math.ceil(SPARE_TENSORS * largest))
+
+    def largest_tensor_bytes_at(self, length: int | None = None) -> float:
+        """The step's largest tensor's bytes per sample at `length`.
+
+        Where it was traced (`largest_tensor_lengths`, and the data's own
+        length), that; between traced lengths, interpolated in the logs of
+        both; beyond them, the nearest pair's power of the length carried
+        on, at most the square past the longest (the per-sample part holds
+        no higher power) and at most the length itself below the
+        shortest. An estimate without traced lengths scales it with the
+        per-sample part.
+        """
+        if length is None or length == self.length:
+            return self.largest_tensor_bytes
+        if not self.largest_tensor_lengths:
+            scale = self.per_sample_bytes_at(length) / self.per_sample_bytes
+            return self.largest_tensor_bytes * scale
+        traced = dict(self.largest_tensor_lengths)
+        traced.setdefault(self.length, self.largest_tensor_bytes)
+        points = sorted((n, b) for n, b in traced.items() if b > 0)
+        if len(points) < 2:
+            return max(traced.values())
+        logs = [(math.log(n), math.log(b)) for n, b in points]
+        at = math.log(_checks.integer("length", length, 1))
+        if logs[0][0] <= at <= logs[-1][0]:
+            xs, ys = zip(*logs, strict=True)
+            return math.exp(float(np.interp(at, xs, ys)))
+        (x0, y0), (x1, y1) = logs[:2] if at < logs[0][0] else logs[-2:]
+        power = (y1 - y0) / (x1 - x0)
+        power = min(max(power, 0.0), 1.0 if at < x0 else 2.0)
+        x, y = (x0, y0) if at < x0 else (x1, y1)
+        return math.exp(y + power * (at - x))
 
     def _fits(self, batch_size, length, usable) -> bool:
         peak = self.peak_bytes(batch_size, length)
