@@ -76,6 +76,12 @@ class Window:
             if gradient is None:
                 continue
             self.has_gradient[index] = True
+            if isinstance(gradient, tf.IndexedSlices) and isinstance(
+                accumulator, tf.distribute.DistributedValues
+            ):
+                # A replica's own sum (`ON_READ`) has no `scatter_add`:
+                # its rows are added as a dense tensor, the same sum.
+                gradient = tf.convert_to_tensor(gradient)
             if isinstance(gradient, tf.IndexedSlices):
                 values = tf.cast(gradient.values, accumulator.dtype)
                 accumulator.scatter_add(
