@@ -6,6 +6,7 @@ out-of-memory error injected at one step; the real-cap scenario of a
 batch that runs out while memory is held is in buckets_test.
 """
 
+import contextlib
 import dataclasses
 from unittest import mock
 
@@ -44,9 +45,15 @@ class OwnStep(keras.Sequential):
         return super().train_step(data)
 
 
-def _model(accumulation=None, kind=keras.Sequential):
+def _model(accumulation=None, kind=keras.Sequential, strategy=None):
     """The model; `accumulation`: its `accumulation_steps`, or a dict of
-    `with_gradient_accumulation`'s keywords (an update size)."""
+    `with_gradient_accumulation`'s keywords (an update size); built and
+    compiled under `strategy`, if any."""
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        return _built(accumulation, kind)
+
+
+def _built(accumulation, kind):
     keras.utils.set_random_seed(0)
     model = kind(
         [
@@ -80,12 +87,12 @@ def _buckets(model):
     )
 
 
-def _reference(accumulation=None, epochs=1):
+def _reference(accumulation=None, epochs=1, strategy=None):
     """The model after plain `model.fit` on the same batches.
 
     Their number is asserted, so that Keras takes no step past the last
     batch (`tfmemsafe.fit` takes none either, see `StepGuard`)."""
-    model = _model(accumulation)
+    model = _model(accumulation, strategy=strategy)
     buckets = _buckets(model)
     batches = buckets.apply(_examples()).apply(
         tf.data.experimental.assert_cardinality(buckets.num_batches())
@@ -239,6 +246,79 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
             "micro-batches for one update, batch size 64 kept",
         )
         self.assertEqual(dataclasses.asdict(event)["split_into"], 4)
+
+
+def split_under_a_mirrored_strategy(step, accumulation=None):
+    """The split test's run under a `MirroredStrategy` of two CPU
+    devices, beside plain `model.fit` under the same (in a fresh process:
+    the devices are set before TensorFlow makes its own)."""
+    strategy = _models.mirrored_on_two_cpus()
+    expected, logs = _reference(accumulation, epochs=2, strategy=strategy)
+    model = _model(accumulation, strategy=strategy)
+    history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
+    return {
+        "events": [dataclasses.asdict(e) for e in history.oom_events],
+        "batch_size": history.batch_size,
+        "differences": [
+            float(np.max(np.abs(got - want)))
+            for got, want in zip(
+                model.get_weights(), expected.get_weights(), strict=True
+            )
+        ],
+        "scales": [float(np.max(np.abs(w))) for w in expected.get_weights()],
+        "history": history.history,
+        "expected_history": logs,
+        "iterations": [
+            int(model.optimizer.iterations.numpy()),
+            int(expected.optimizer.iterations.numpy()),
+        ],
+    }
+
+
+# (step, accumulation) of each run under a `MirroredStrategy`, as the
+# single-device test's cases: the epoch's last batch (11 examples, shared
+# 6 and 5), a window's second and first micro-batch, windows of tokens.
+_MIRRORED = {
+    "plain": (3, None),
+    "plain_last_batch": (6, None),
+    "accumulating_mid_window": (3, 2),
+    "accumulating_window_start": (2, 2),
+    "tokens_per_update": (3, {"tokens_per_update": 300}),
+}
+
+
+class MirroredStrategyTest(parameterized.TestCase, tf.test.TestCase):
+    """A split under a `MirroredStrategy`: each replica trains its share
+    of the batch in pieces, and the one update all-reduces them."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        results = _models.side_by_side(
+            split_under_a_mirrored_strategy, list(_MIRRORED.values())
+        )
+        cls.results = dict(zip(_MIRRORED, results, strict=True))
+
+    @parameterized.parameters(*_MIRRORED)
+    def test_a_split_batch_makes_the_update_of_the_whole_batch(self, name):
+        result = self.results[name]
+        step = _MIRRORED[name][0]
+        (event,) = result["events"]
+        self.assertEqual(event["split_into"], 2, result)
+        self.assertEqual(event["resumed_at_step"], step)
+        self.assertEqual(event["batch_size_after"], event["batch_size_before"])
+        self.assertEqual(result["batch_size"], 16)
+        for difference, scale in zip(
+            result["differences"], result["scales"], strict=True
+        ):
+            self.assertLessEqual(difference, 1e-6 + 1e-5 * scale, result)
+        for metric in ("loss", "accuracy"):
+            self.assertAllClose(
+                result["history"][metric],
+                result["expected_history"][metric],
+                rtol=1e-5,
+            )
+        self.assertEqual(*result["iterations"])
 
 
 class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):

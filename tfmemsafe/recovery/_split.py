@@ -18,9 +18,19 @@ the whole batch would have made, to rounding; a window of an
 `AccumulatingModel` counts the batch once. If a micro-batch runs out too,
 the sums are dropped (nothing else was changed) and the batch is split
 finer.
+
+Under a `tf.distribute.MirroredStrategy` (one machine, several devices)
+each replica's share of the batch, as TensorFlow shares it, is trained
+in pieces: a micro-batch is a piece of every share. Each replica sums
+its own gradients weighted by its piece's rows, and its part of the one
+update divides by its share's rows; the update's all-reduce adds the
+replicas' parts, as in Keras' own step: the update of the whole batch,
+to rounding.
 """
 
 from __future__ import annotations
+
+import threading
 
 import keras
 import numpy as np
@@ -54,15 +64,20 @@ class SplitBatch:
         self.model = model
         self.guard = guard
         self.source = source
+        self.strategy = model.distribute_strategy
+        self._replicas = self.strategy.num_replicas_in_sync
         self._sums = {}  # id(variable) -> its weighted gradient sum.
         self._total = None  # The micro-batches' weights, summed.
         self._size = None  # Their sizes, for a window closed by size.
         self._updates = {}  # id(owner) -> (owner, method name, variables).
         self._dense = set()  # id(variable) of those with a dense gradient.
-        self._traced_sparse = []  # (id(variable), (values, indices)).
+        # While a micro-batch's step is traced, per replica (each traces
+        # it in a thread of its own): its rows (`rows`) and its sparse
+        # gradients, `(id(variable), (values, indices))` (`sparse`).
+        self._traced = threading.local()
         self._sparse_ids = []  # Whose those of the traced step's output are.
-        self._rows = None  # The traced micro-batch's rows.
-        self.rows_last_tried = 0  # The rows of the last batch read again.
+        # The most pieces the last batch read again can be split into.
+        self.rows_last_tried = 0
 
     @classmethod
     def for_run(
@@ -73,19 +88,20 @@ class SplitBatch:
         Only bucketed data has batches of other shapes that still fit.
         The model must train with Keras' (or `AccumulatingModel`'s) own
         step, whose only update is one `apply` (or `accumulate`), traced
-        (not run eagerly), outside any `tf.distribute` strategy (a
-        strategy's step runs in `strategy.run`, with its own variables);
-        its loss must average over the batch's rows, so that each
-        micro-batch weighs its rows (not a `reduction` of another kind,
-        a `class_weight`, or outputs with a mask, whose loss averages
-        over the unmasked steps). The epoch must be able to go on at the
+        (not run eagerly), outside any `tf.distribute` strategy or under
+        a one-machine `MirroredStrategy` (under a multi-worker one, every
+        worker stops instead: `distribute.stop_all_workers`); its loss
+        must average over the batch's rows, so that each micro-batch
+        weighs its rows (not a `reduction` of another kind, a
+        `class_weight`, or outputs with a mask, whose loss averages over
+        the unmasked steps). The epoch must be able to go on at the
         next batch, which `steps_per_epoch` (a count of batches at the
         old place) rules out.
         """
         if (
             not isinstance(source, BucketedExamples)
             or type(model).train_step not in _OWN_TRAIN_STEPS
-            or type(model.distribute_strategy).__name__ != _NO_STRATEGY
+            or not _strategy_can_split(model)
             or model.run_eagerly
             or tf.config.functions_run_eagerly()
             or settings.steps_per_epoch is not None
@@ -135,7 +151,8 @@ class SplitBatch:
                 "again to split it: its batches are not the same at each "
                 "pass."
             )
-        self.rows_last_tried = _rows(batch)
+        # A micro-batch keeps a row of every replica's share.
+        self.rows_last_tried = max(_rows(batch) // self._replicas, 1)
         return batch, next(batches, None) is None
 
     def train(self, batch, pieces: int) -> dict:
@@ -148,34 +165,37 @@ class SplitBatch:
             tf.errors.ResourceExhaustedError: A micro-batch ran out too;
                 the model's variables and optimizer are as before.
         """
-        rows = _rows(batch)
-        bounds = np.linspace(0, rows, min(pieces, rows) + 1).astype(int)
-        variables = self.model.trainable_variables
-        with tf.init_scope():
+        shares = _shares(_rows(batch), self._replicas)
+        pieces = min(pieces, max(min(np.diff(shares)), 1))
+        with self.strategy.scope():
             self._sums = {
-                id(v): tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
-                for v in variables
+                id(v): _summed(tf.zeros(v.shape, v.dtype))
+                for v in self.model.trainable_variables
             }
-            self._total = tf.Variable(0.0, trainable=False)
-            self._size = tf.Variable(0.0, trainable=False)
+            self._total = _summed(0.0)
+            self._size = _summed(0.0)
         self._updates, self._dense = {}, set()
         sparse = {}  # id(variable) -> its micro-batches' (values, indices).
+        micro_batch = self._micro_batch
+        if self.model.jit_compile is True:
+            # Each replica's step compiled, as Keras compiles it.
+            micro_batch = tf.function(micro_batch, jit_compile=True)
         step = tf.function(
-            self._micro_batch,
+            lambda piece: self.strategy.run(micro_batch, args=(piece,)),
             reduce_retracing=True,
-            jit_compile=self.model.jit_compile is True,
         )
         try:
             update = "accumulate" if self._accumulates() else "apply"
             with self.guard.deferring(update, self._defer):
-                for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-                    logs, parts = step(
-                        _slice(batch, start, end),
-                        tf.constant(end - start, tf.float32),
-                    )
+                for index in range(pieces):
+                    piece = self._piece(batch, shares, index, pieces)
+                    logs, parts = step(piece)
                     for key, part in zip(self._sparse_ids, parts, strict=True):
                         sparse.setdefault(key, []).append(part)
-            tf.function(self._update)(sparse)
+            tf.function(self._replicated_update)(sparse)
+            if self._replicas > 1:
+                # Each replica's logs are its own share's; these are all.
+                logs = self.model.get_metrics_result()
             return {name: _python(value) for name, value in logs.items()}
         finally:
             self._sums, self._total, self._updates = {}, None, {}
@@ -189,14 +209,32 @@ class SplitBatch:
             accumulation_steps_of(self.model) or 1
         ) > 1 or window_closes_by_size(self.model)
 
-    def _micro_batch(self, data, rows):
-        """One micro-batch's step; with the sparse gradients it deferred,
-        which are kept as they come (see `_defer`)."""
-        self._rows = rows
-        self._traced_sparse = []
+    def _piece(self, batch, shares, piece: int, pieces: int):
+        """Micro-batch `piece` of `pieces`: under a strategy, that piece of
+        each replica's share of `batch` (`shares`), on each replica."""
+
+        def on_replica(replica: int):
+            start, end = shares[replica], shares[replica + 1]
+            bounds = np.linspace(start, end, pieces + 1).astype(int)
+            return _slice(batch, bounds[piece], bounds[piece + 1])
+
+        if self._replicas == 1:
+            return on_replica(0)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: on_replica(context.replica_id_in_sync_group)
+        )
+
+    def _micro_batch(self, data):
+        """One micro-batch's step (on one replica, its share); with the
+        sparse gradients it deferred, which are kept as they come (see
+        `_defer`)."""
+        self._traced.rows = tf.cast(
+            tf.shape(tf.nest.flatten(data)[0])[0], tf.float32
+        )
+        self._traced.sparse = []
         logs = self.model.train_step(data)
-        self._sparse_ids = [key for key, _ in self._traced_sparse]
-        return logs, [part for _, part in self._traced_sparse]
+        self._sparse_ids = [key for key, _ in self._traced.sparse]
+        return logs, [part for _, part in self._traced.sparse]
 
     def _defer(
         self,
@@ -212,10 +250,13 @@ class SplitBatch:
         An `accumulate` call weighs its micro-batch by `sample_count` (its
         samples, or its sample-weight sum), and adds `size` to the
         window's (its samples or tokens); an `apply` call's micro-batch
-        weighs its rows, as the loss averages over them. A sparse gradient
-        (an `Embedding`'s `tf.IndexedSlices`) is kept whole, a row per
-        token: the optimizer's update of the whole batch's slices is not
-        the update of their sum per row (Keras' Adam squares each slice).
+        weighs its rows, as the loss averages over them (under a strategy,
+        its rows on this replica: each replica's update is the mean of its
+        share's, which the update's all-reduce adds up as Keras' does).
+        A sparse gradient (an `Embedding`'s `tf.IndexedSlices`) is kept
+        whole, a row per token: the optimizer's update of the whole
+        batch's slices is not the update of their sum per row (Keras'
+        Adam squares each slice).
         """
         variables = list(
             self.model.trainable_variables
@@ -223,7 +264,7 @@ class SplitBatch:
             else trainable_variables
         )
         weight = (
-            self._rows
+            self._traced.rows
             if sample_count is None
             else tf.cast(sample_count, tf.float32)
         )
@@ -232,7 +273,7 @@ class SplitBatch:
                 continue
             scale = tf.cast(weight, gradient.dtype)
             if isinstance(gradient, tf.IndexedSlices):
-                self._traced_sparse.append(
+                self._traced.sparse.append(
                     (id(variable), (gradient.values * scale, gradient.indices))
                 )
             else:
@@ -244,8 +285,12 @@ class SplitBatch:
         )
         self._updates[id(owner)] = (owner, name, variables)
 
+    def _replicated_update(self, sparse):
+        self.strategy.run(self._update, args=(sparse,))
+
     def _update(self, sparse):
-        """The one update, with the weighted mean of the micro-batches."""
+        """The one update, with the weighted mean of the micro-batches
+        (on each replica, of its own sums: the update all-reduces)."""
         for owner, name, variables in self._updates.values():
             means = [self._mean(v, sparse.get(id(v))) for v in variables]
             if name == "apply":
@@ -255,20 +300,42 @@ class SplitBatch:
                 owner.apply_if_ready(self.model.optimizer)
 
     def _mean(self, variable, parts):
-        """`variable`'s gradient over the whole batch, or `None`."""
+        """`variable`'s gradient over the whole batch, or `None`. (A
+        replica whose share was empty, of a batch of fewer rows than
+        replicas, adds nothing.)"""
         total = tf.cast(self._total, variable.dtype)
         dense = None
         if id(variable) in self._dense:
-            dense = self._sums[id(variable)] / total
+            dense = tf.math.divide_no_nan(self._sums[id(variable)], total)
         if not parts:
             return dense
         values, indices = zip(*parts, strict=True)
         slices = tf.IndexedSlices(
-            tf.concat(values, 0) / total,
+            tf.math.divide_no_nan(tf.concat(values, 0), total),
             tf.concat(indices, 0),
             tf.shape(variable, out_type=indices[0].dtype),
         )
         return slices if dense is None else dense + tf.convert_to_tensor(slices)
+
+
+def _strategy_can_split(model) -> bool:
+    """Whether the model's strategy is none or a `MirroredStrategy` (one
+    machine: a `MultiWorkerMirroredStrategy` is not one)."""
+    strategy = model.distribute_strategy
+    if type(strategy).__name__ == _NO_STRATEGY:
+        return True
+    return isinstance(strategy, tf.distribute.MirroredStrategy)
+
+
+def _summed(initial) -> tf.Variable:
+    """A sum of the split batch's: under a strategy, each replica's own
+    (read in a replica, its own; outside, all of them added)."""
+    return tf.Variable(
+        initial,
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.SUM,
+    )
 
 
 def _loss_averages_over_rows(model, source) -> bool:
@@ -290,6 +357,15 @@ def _loss_averages_over_rows(model, source) -> bool:
         getattr(output, "_keras_mask", None) is None
         for output in tf.nest.flatten(outputs)
     )
+
+
+def _shares(rows: int, replicas: int) -> np.ndarray:
+    """Where each replica's share of a batch of `rows` begins (and the
+    last ends), as TensorFlow shares a batch of unknown size among a
+    `MirroredStrategy`'s replicas: the first ones a row more where the
+    rows do not divide."""
+    sizes = [rows // replicas + (r < rows % replicas) for r in range(replicas)]
+    return np.cumsum([0, *sizes])
 
 
 def _rows(batch) -> int:
