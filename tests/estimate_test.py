@@ -809,9 +809,15 @@ class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):
         self.assertAllClose(estimate.spare_bytes(10, 256), 40 * _MB, atol=1)
         # 900 MB usable - 100 MB fixed: 4 MB a sample and 4 MB spare.
         self.assertIn(estimate.max_batch_size(length=256), (99, 100))
-        # Without traced lengths, the spare scales as the per-sample part.
-        linear = dataclasses.replace(estimate, largest_tensor_lengths=())
-        self.assertAllClose(linear.largest_tensor_bytes_at(256), _MB)
+        # Without two traced lengths (an empty trace counts for none), the
+        # spare scales as the per-sample part.
+        for traced in ((), ((128, 0.0),)):
+            linear = dataclasses.replace(
+                estimate, largest_tensor_lengths=traced
+            )
+            self.assertAllClose(linear.largest_tensor_bytes_at(256), _MB)
+        with self.assertRaisesRegex(ValueError, r"^`length` must be"):
+            at(0)
 
     def test_a_length_adds_to_the_fixed_part_only_past_the_data_length(self):
         estimate = self._by_length((0.0, 1.0, 0.0))

@@ -150,21 +150,24 @@ class MemoryEstimate:
         both; beyond them, the nearest pair's power of the length carried
         on, at most the square past the longest (the per-sample part holds
         no higher power) and at most the length itself below the
-        shortest. An estimate without traced lengths scales it with the
-        per-sample part.
+        shortest. An estimate without two traced lengths scales it with
+        the per-sample part.
+
+        Raises:
+            ValueError: If `length` is given to an estimate made without
+                `lengths`.
         """
         if length is None or length == self.length:
             return self.largest_tensor_bytes
-        if not self.largest_tensor_lengths:
-            scale = self.per_sample_bytes_at(length) / self.per_sample_bytes
-            return self.largest_tensor_bytes * scale
+        self._fitted_per_sample(length)  # Checks `length`.
         traced = dict(self.largest_tensor_lengths)
         traced.setdefault(self.length, self.largest_tensor_bytes)
         points = sorted((n, b) for n, b in traced.items() if b > 0)
         if len(points) < 2:
-            return max(traced.values())
+            scale = self.per_sample_bytes_at(length) / self.per_sample_bytes
+            return max(self.largest_tensor_bytes * scale, 0.0)
         logs = [(math.log(n), math.log(b)) for n, b in points]
-        at = math.log(_checks.integer("length", length, 1))
+        at = math.log(length)
         if logs[0][0] <= at <= logs[-1][0]:
             xs, ys = zip(*logs, strict=True)
             return math.exp(float(np.interp(at, xs, ys)))

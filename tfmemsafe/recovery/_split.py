@@ -151,8 +151,7 @@ class SplitBatch:
                 "again to split it: its batches are not the same at each "
                 "pass."
             )
-        # A micro-batch keeps a row of every replica's share.
-        self.rows_last_tried = max(_rows(batch) // self._replicas, 1)
+        self.rows_last_tried = _most_pieces(_rows(batch), self._replicas)
         return batch, next(batches, None) is None
 
     def train(self, batch, pieces: int) -> dict:
@@ -165,8 +164,9 @@ class SplitBatch:
             tf.errors.ResourceExhaustedError: A micro-batch ran out too;
                 the model's variables and optimizer are as before.
         """
-        shares = _shares(_rows(batch), self._replicas)
-        pieces = min(pieces, max(min(np.diff(shares)), 1))
+        rows = _rows(batch)
+        shares = _shares(rows, self._replicas)
+        pieces = min(pieces, _most_pieces(rows, self._replicas))
         with self.strategy.scope():
             self._sums = {
                 id(v): _summed(tf.zeros(v.shape, v.dtype))
@@ -176,13 +176,13 @@ class SplitBatch:
             self._size = _summed(0.0)
         self._updates, self._dense = {}, set()
         sparse = {}  # id(variable) -> its micro-batches' (values, indices).
-        micro_batch = self._micro_batch
-        if self.model.jit_compile is True:
-            # Each replica's step compiled, as Keras compiles it.
-            micro_batch = tf.function(micro_batch, jit_compile=True)
+        # Compiled whole, `strategy.run` inside, as Keras compiles its
+        # step (a compiled function run per GPU replica could not
+        # `merge_call`, which an `AccumulatingModel`'s step does).
         step = tf.function(
-            lambda piece: self.strategy.run(micro_batch, args=(piece,)),
+            lambda piece: self.strategy.run(self._micro_batch, args=(piece,)),
             reduce_retracing=True,
+            jit_compile=self.model.jit_compile is True,
         )
         try:
             update = "accumulate" if self._accumulates() else "apply"
@@ -194,8 +194,16 @@ class SplitBatch:
                         sparse.setdefault(key, []).append(part)
             tf.function(self._replicated_update)(sparse)
             if self._replicas > 1:
-                # Each replica's logs are its own share's; these are all.
-                logs = self.model.get_metrics_result()
+                # Each replica's metrics are its own share's; read them
+                # all. Anything else (an `AccumulatingModel`'s
+                # `skipped_windows`) is the same on every replica.
+                metrics = self.model.get_metrics_result()
+                logs = {
+                    name: metrics[name]
+                    if name in metrics
+                    else self.strategy.experimental_local_results(value)[0]
+                    for name, value in logs.items()
+                }
             return {name: _python(value) for name, value in logs.items()}
         finally:
             self._sums, self._total, self._updates = {}, None, {}
@@ -362,10 +370,19 @@ def _loss_averages_over_rows(model, source) -> bool:
 def _shares(rows: int, replicas: int) -> np.ndarray:
     """Where each replica's share of a batch of `rows` begins (and the
     last ends), as TensorFlow shares a batch of unknown size among a
-    `MirroredStrategy`'s replicas: the first ones a row more where the
-    rows do not divide."""
-    sizes = [rows // replicas + (r < rows % replicas) for r in range(replicas)]
+    `MirroredStrategy`'s replicas: the rows over the replicas rounded up
+    to each in turn, the last ones what is left (10 rows on 4 replicas:
+    3, 3, 3 and 1; 5 rows: 2, 2, 1 and 0)."""
+    each = -(-rows // replicas)
+    sizes = [min(max(rows - r * each, 0), each) for r in range(replicas)]
     return np.cumsum([0, *sizes])
+
+
+def _most_pieces(rows: int, replicas: int) -> int:
+    """The most pieces a batch of `rows` is split into: each keeps a row
+    of every replica's share (of those with any)."""
+    sizes = np.diff(_shares(rows, replicas))
+    return int(min((size for size in sizes if size), default=1))
 
 
 def _rows(batch) -> int:
