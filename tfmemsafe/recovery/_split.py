@@ -77,7 +77,7 @@ class SplitBatch:
         self._traced = threading.local()
         self._sparse_ids = []  # Whose those of the traced step's output are.
         # The most pieces the last batch read again can be split into.
-        self.rows_last_tried = 0
+        self.most_pieces_last_read = 0
 
     @classmethod
     def for_run(
@@ -136,13 +136,13 @@ class SplitBatch:
             return 2
         # Pieces of one example each ran out (or, if the batch could not
         # even be read, very many): shrinking is what is left.
-        most = self.rows_last_tried or _MOST_PIECES
+        most = self.most_pieces_last_read or _MOST_PIECES
         return 0 if last.split >= most else 2 * last.split
 
     def batch_at(self, batch_size: int, step: int):
         """The epoch's batch `step` again, read from a new pipeline, and
         whether it is the epoch's last."""
-        self.rows_last_tried = 0
+        self.most_pieces_last_read = 0
         batches = iter(self.source.dataset(batch_size).skip(step).take(2))
         batch = next(batches, None)
         if batch is None:
@@ -151,7 +151,7 @@ class SplitBatch:
                 "again to split it: its batches are not the same at each "
                 "pass."
             )
-        self.rows_last_tried = _most_pieces(_rows(batch), self._replicas)
+        self.most_pieces_last_read = _most_pieces(_rows(batch), self._replicas)
         return batch, next(batches, None) is None
 
     def train(self, batch, pieces: int) -> dict:
