@@ -275,7 +275,8 @@ def _batchings(shape):
     )
     print(
         "| batching | tokens/s (wall) | vs fixed | tokens/s (CPU) | vs fixed "
-        "| planning s | epochs alone vs by hand (wall) | allocator OOMs "
+        "| planning s | epochs alone: speed vs by hand (wall) "
+        "| allocator OOMs "
         "| ran out |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")

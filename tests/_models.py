@@ -133,11 +133,15 @@ class MemoryHog(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.begun.append(epoch)
         if self.megabytes and self.worker_index == 1 and epoch == 1:
+            # The pieces' shape and value made first: converting them from
+            # Python with the allocator full would end the process.
+            piece_shape = tf.constant([_HOG_PIECE_BYTES // 4])
+            one = tf.constant(1.0)
             _HOG.append(tf.ones((self.megabytes * 2**18,), tf.float32))
             pieces = []
             try:
-                while True:
-                    pieces.append(tf.ones((_HOG_PIECE_BYTES // 4,)))
+                while True:  # A Fill op, whose allocation is checked.
+                    pieces.append(tf.fill(piece_shape, one))
             except tf.errors.ResourceExhaustedError:
                 pass  # Full.
             _HOG.extend(pieces[:-1])

@@ -99,9 +99,9 @@ def search_under_cap():
     """`find_max_batch_size` on the GRU, whose estimate is repeatable and
     on the safe side: its steps are sequential and its data (token ids,
     one batch prefetched) small. The conv net's is not (`recovery_test`'s
-    search allows it one error): under this cap its estimate's size
-    peaked at 92-99% of the limit in twelve processes, and over it in
-    two CI runs."""
+    search on it lets the `fit` after it recover once): under this cap
+    its estimate's size peaked at 92-99% of the limit in twelve
+    processes, and over it in two CI runs."""
     model = testing.reference_model("gru", (None,))
     logging.set_verbosity(logging.INFO)  # The sizes tried are INFO.
     with _models.absl_messages("INFO") as messages:
