@@ -211,8 +211,9 @@ def absl_messages(level="WARNING"):
     """The absl messages at `level` (a level name) or above logged
     inside, as a list.
 
-    For children, where `TestCase.assertLogs` is not at hand. INFO ones
-    are logged only at absl's INFO verbosity (`logging.set_verbosity`).
+    For children, where `TestCase.assertLogs` is not at hand. absl logs
+    only at its verbosity or above, so inside, the verbosity is at least
+    `level` (INFO ones are logged), and it is put back after.
     """
     messages = []
 
@@ -221,8 +222,11 @@ def absl_messages(level="WARNING"):
             messages.append(record.getMessage())
 
     handler = Handler(level=level)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(max(verbosity, logging.converter.ABSL_NAMES[level]))
     logging.get_absl_logger().addHandler(handler)
     try:
         yield messages
     finally:
         logging.get_absl_logger().removeHandler(handler)
+        logging.set_verbosity(verbosity)

@@ -19,7 +19,6 @@ import _models  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from absl import logging  # noqa: E402
 from absl.testing import parameterized  # noqa: E402
 
 import tfmemsafe  # noqa: E402
@@ -103,7 +102,6 @@ def search_under_cap():
     its estimate's size peaked at 92-99% of the limit in twelve
     processes, and over it in two CI runs."""
     model = testing.reference_model("gru", (None,))
-    logging.set_verbosity(logging.INFO)  # The sizes tried are INFO.
     with _models.absl_messages("INFO") as messages:
         size, failures = _counting_allocator_failures(
             lambda: tfmemsafe.find_max_batch_size(

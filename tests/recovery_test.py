@@ -21,7 +21,6 @@ import _models
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 from absl.testing import parameterized
 
 import tfmemsafe
@@ -461,7 +460,6 @@ def fixed_shape_batch_search_under_cap():
     x = rng.integers(1, 2000, (256, length)).astype("int32")
     y = rng.integers(0, 4, 256).astype("int32")
     rows = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    logging.set_verbosity(logging.INFO)  # Its trials' errors are INFO.
     try:
         with _models.absl_messages("INFO") as messages:
             size = tfmemsafe.find_max_batch_size(
