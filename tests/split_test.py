@@ -6,6 +6,7 @@ out-of-memory error injected at one step; the real-cap scenario of a
 batch that runs out while memory is held is in buckets_test.
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 from unittest import mock
@@ -366,6 +367,219 @@ class SharesTest(tf.test.TestCase):
         self.assertEqual(_split._most_pieces(11, 2), 5)
         self.assertEqual(_split._most_pieces(10, 4), 1)  # 3, 3, 3, 1.
         self.assertEqual(_split._most_pieces(5, 4), 1)  # 2, 2, 1, 0.
+
+
+# A token no other example holds (the data's are 1 to 99).
+_MARKER = 100
+
+
+class RunsOutWithTheMarker(keras.layers.Layer):
+    """Asks the allocator for 2**60 bytes, which it refuses (a genuine
+    allocation failure, after its 10 s wait), when its share of a batch
+    holds the marked example and more than `rows` rows: the failure of
+    one worker's share, and of the pieces of more than `rows` rows."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def call(self, tokens):
+        fails = tf.logical_and(
+            tf.reduce_any(tf.equal(tokens, _MARKER)),
+            tf.shape(tokens)[0] > self.rows,
+        )
+        elements = tf.where(fails, tf.constant(2**58, tf.int64), 1)
+        asked = tf.zeros(tf.reshape(elements, [1]))
+        return tokens + tf.cast(asked[0] * 0.0, tokens.dtype)
+
+
+def _marked_examples():
+    """`_examples()`, with the marker as example 5's first token."""
+    tokens, labels = next(iter(_examples().batch(_EXAMPLES)))
+    rows = tokens.to_list()
+    rows[5][0] = _MARKER
+    return tf.data.Dataset.from_tensor_slices(
+        (tf.ragged.constant(rows, dtype=tf.int32), labels)
+    )
+
+
+def _worker_model(runs_out_above, accumulation):
+    """The split test's model as every model under the multi-worker
+    strategy must be (an `AccumulatingModel`), with a
+    `RunsOutWithTheMarker` first unless `runs_out_above` is `None`."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((None,), dtype="int32")]
+    if runs_out_above is not None:
+        layers.append(RunsOutWithTheMarker(runs_out_above))
+    layers += [
+        keras.layers.Embedding(_MARKER + 1, 8),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(16, "relu"),
+        keras.layers.Dense(3),
+    ]
+    model = tfmemsafe.with_gradient_accumulation(
+        keras.Sequential(layers), accumulation
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def split_on_two_workers(cases):
+    """Each of `cases`, `(runs_out_above, accumulation, epochs)`, trained
+    by `tfmemsafe.fit` on the marked examples in buckets, beside the same
+    model without the failing layer; on each worker of two."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    def fit(model, epochs):
+        plan = tfmemsafe.data.memory_buckets(
+            _marked_examples(),
+            model,
+            estimate=_models.length_estimate(),
+            bucket_boundaries=[9, 17, 25],
+            max_batch_size=16,
+        )
+        with mock.patch.object(
+            tfmemsafe.data, "memory_buckets", return_value=plan
+        ):
+            return tfmemsafe.fit(
+                model,
+                _marked_examples(),
+                batch_size="auto",
+                epochs=epochs,
+                verbose=0,
+            )
+
+    results = []
+    for runs_out_above, accumulation, epochs in cases:
+        with strategy.scope():
+            expected = _worker_model(None, accumulation)
+            model = _worker_model(runs_out_above, accumulation)
+        logs = fit(expected, epochs).history
+        try:
+            history = fit(model, epochs)
+        except tfmemsafe.OutOfMemoryError as err:
+            results.append({"stopped": str(err)})
+            continue
+        results.append(
+            {
+                "events": [dataclasses.asdict(e) for e in history.oom_events],
+                "differences": [
+                    float(np.max(np.abs(got - want)))
+                    for got, want in zip(
+                        model.get_weights(), expected.get_weights(), strict=True
+                    )
+                ],
+                "scales": [
+                    float(np.max(np.abs(w))) for w in expected.get_weights()
+                ],
+                "history": history.history,
+                "expected_history": logs,
+                "iterations": [
+                    int(model.optimizer.iterations.numpy()),
+                    int(expected.optimizer.iterations.numpy()),
+                ],
+                "worker": tfmemsafe.distribute.worker_index(strategy),
+            }
+        )
+    return results
+
+
+# (runs_out_above, accumulation, epochs): a share over 4 rows runs out, so
+# the 16-row batch (8 a worker) trains as 2 pieces, in both epochs, also
+# into windows of 2; over 1 row: as 2, 4, then 8 pieces; always: every
+# piece runs out, and every worker stops.
+_ON_WORKERS = {
+    "halves": (4, 1, 2),
+    "halves_into_windows": (4, 2, 1),
+    "finer": (1, 1, 1),
+    "never_fits": (0, 1, 1),
+}
+
+
+class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
+    """A batch that runs out on one worker of two
+    (`MultiWorkerMirroredStrategy`): every worker splits it the same way,
+    and the update is the one the whole batch makes."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        groups = [["halves", "halves_into_windows"], ["finer", "never_fits"]]
+        # Two jobs at once: they mostly wait for the allocator.
+        with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
+            runs = pool.map(
+                lambda names: testing.run_workers(
+                    split_on_two_workers,
+                    2,
+                    args=[[_ON_WORKERS[name] for name in names]],
+                    env={"CUDA_VISIBLE_DEVICES": ""},
+                    timeout=420,
+                ),
+                groups,
+            )
+            cls.results = {}
+            for names, workers in zip(groups, runs, strict=True):
+                for index, name in enumerate(names):
+                    cls.results[name] = [worker[index] for worker in workers]
+
+    @parameterized.parameters("halves", "halves_into_windows", "finer")
+    def test_every_worker_splits_the_batch_the_same_way(self, name):
+        workers = self.results[name]
+        epochs = _ON_WORKERS[name][2]
+        splits = [2, 4, 8] if name == "finer" else [2]
+        first, second = (
+            [(e["epoch"], e["split_into"]) for e in w["events"]]
+            for w in workers
+        )
+        self.assertEqual(
+            first, [(epoch, s) for epoch in range(epochs) for s in splits]
+        )
+        self.assertEqual(first, second)
+        for result in workers:
+            for event in result["events"]:
+                self.assertEqual(
+                    event["batch_size_after"], event["batch_size_before"]
+                )
+            for difference, scale in zip(
+                result["differences"], result["scales"], strict=True
+            ):
+                self.assertLessEqual(difference, 1e-6 + 1e-5 * scale, result)
+            for metric in ("loss", "accuracy"):
+                self.assertAllClose(
+                    result["history"][metric],
+                    result["expected_history"][metric],
+                    rtol=1e-5,
+                )
+            self.assertEqual(*result["iterations"])
+
+    def test_the_worker_that_ran_out_is_named_on_the_other(self):
+        errors = [
+            {e["error"] for e in result["events"]}
+            for result in self.results["halves"]
+        ]
+        (ran_out,) = [
+            r["worker"]
+            for r, e in zip(self.results["halves"], errors, strict=True)
+            if all("OOM when allocating" in line for line in e)
+        ]
+        (other,) = errors[1 - ran_out]
+        self.assertStartsWith(
+            other,
+            f"Worker {ran_out} of 2 ran out of memory in this training step",
+        )
+
+    def test_a_batch_that_never_fits_stops_every_worker_alike(self):
+        first, second = self.results["never_fits"]
+        self.assertEqual(first, second)
+        self.assertRegex(
+            first["stopped"],
+            r"^Out of memory on worker [01] of 2 at global batch size 16\. "
+            r"Its batch could not be trained in smaller pieces",
+        )
 
 
 class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):

@@ -217,5 +217,26 @@ class PeakTest(tf.test.TestCase):
         )
 
 
+class SmallStateTest(tf.test.TestCase):
+    def test_metrics_made_after_the_guard_are_put_back(self):
+        # Keras makes the compiled metrics' variables at the first step,
+        # after `fit` installed the guard.
+        model = _model()
+        model.compile("sgd", "mse", metrics=["mae"])
+        guard = _step_guard.StepGuard(model, [model.optimizer], [])
+        try:
+            x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            before = [v.numpy() for v in model.metrics_variables]
+            self.assertLen(before, 4)  # The loss's and the MAE's.
+            guard.save_small_state()
+            model.train_on_batch(x, y)
+            guard.restore_small_state()
+            for got, want in zip(model.metrics_variables, before, strict=True):
+                self.assertAllEqual(got.numpy(), want)
+        finally:
+            guard.close()
+
+
 if __name__ == "__main__":
     tf.test.main()

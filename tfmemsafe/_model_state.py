@@ -76,7 +76,7 @@ class ModelState:
         self.model = model
         parts = {}
         for variable in variables:
-            for part in _local_parts(variable):
+            for part in local_parts(variable):
                 parts.setdefault(id(part), part)
         self.copy = _DiskCopy([(part, [part]) for part in parts.values()])
         self.attributes = {
@@ -95,7 +95,7 @@ class ModelState:
         self.copy.close()
 
 
-def _local_parts(variable) -> list:
+def local_parts(variable) -> list:
     """The variables that hold `variable`'s value: one per replica."""
     inner = getattr(variable, "value", None)
     if (
@@ -135,7 +135,7 @@ class Snapshot:
         self.unbuilt = [each for each in optimizers if not each.built]
         unique = {id(v): v for v in variables}.values()
         self.copy = _DiskCopy(
-            [(parts[0], parts) for parts in map(_local_parts, unique)]
+            [(parts[0], parts) for parts in map(local_parts, unique)]
         )
 
     def restore(self) -> None:

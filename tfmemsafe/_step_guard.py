@@ -46,6 +46,8 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tfmemsafe._model_state import local_parts
+
 # The guard installed on each model, if any.
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -68,25 +70,17 @@ class StepGuard:
         self._after = self._within = None
         # Its variables first: allocating them can run out of memory, and
         # then nothing is patched yet.
-        self._small = _small_state(model)
         with tf.init_scope():
             self._touched = tf.Variable(False, trainable=False)
-            self._copies = [
-                tf.Variable(
-                    tf.zeros(v.shape, v.dtype), trainable=False, name="copy"
-                )
-                for v in self._small
-            ]
-        # Loops over Python lists: nothing for autograph to convert, and
-        # converting them took most of their first call (60 ms).
-        self._save = tf.function(self._save_eagerly, autograph=False)
-        self._restore = tf.function(self._restore_eagerly, autograph=False)
+        self._small, self._copies, self._metric_count = [], [], None
+        self._copy_small_state()
         for optimizer in optimizers:
             self._patch(optimizer, "apply")
         for optimizer in _with_inner(optimizers):
             self._order(optimizer)
         for accumulator in accumulators:
             self._patch(accumulator, "accumulate")
+            self._hold_window(accumulator)
         # A step Keras traced before (an earlier `model.fit`) has neither
         # barrier nor order: traced again at the next call.
         model.train_function = None
@@ -125,6 +119,24 @@ class StepGuard:
         # An instance attribute, so only this object and only this run.
         vars(owner)[name] = guarded
         self._patched.append((owner, name))
+
+    def _hold_window(self, accumulator):
+        """While `accumulate` is deferred, the window is not applied in
+        the traced step either: its micro-batch is not in it yet, and the
+        deferred update applies it (`SplitBatch`). So the step has no
+        cross-replica work at all (a window closed by size sums the
+        replicas' sizes even when it is not full)."""
+        guard = self
+        original = accumulator.apply_if_ready
+
+        @functools.wraps(original)
+        def apply_if_ready(*args, **kwargs):
+            if guard._deferred == "accumulate" and tf.inside_function():
+                return tf.constant(False)
+            return original(*args, **kwargs)
+
+        vars(accumulator)["apply_if_ready"] = apply_if_ready
+        self._patched.append((accumulator, "apply_if_ready"))
 
     @contextlib.contextmanager
     def _in_order(self):
@@ -207,7 +219,8 @@ class StepGuard:
         traced, in place of `owner.name(gradients, *args)`: `SplitBatch`
         sums a split batch's micro-batches there and makes their update
         once. Only the step's own update is deferred: an `apply` that an
-        `accumulate`'s window makes when full is traced as it is.
+        `accumulate`'s window makes when full is traced as it is, and a
+        deferred `accumulate` holds back its window's `apply_if_ready`.
         """
         self._deferred, self._sink = name, sink
         try:
@@ -224,9 +237,39 @@ class StepGuard:
         if _INSTALLED.get(self.model) is self:
             del _INSTALLED[self.model]
 
+    def _copy_small_state(self) -> None:
+        """Makes a copy of each small-state variable, and the functions
+        that save and restore them; again when the model has more metric
+        variables (Keras makes the compiled metrics' at the first step)."""
+        self._metric_count = len(self.model.metrics_variables)
+        # Each replica's part of a distributed variable on its own: read
+        # or assigned whole, a metric's (summed on read) would be the sum
+        # over the replicas, and its assignment split between them.
+        self._small = [
+            part
+            for variable in _small_state(self.model)
+            for part in local_parts(variable)
+        ]
+        copies = []
+        with tf.init_scope():
+            for part in self._small:
+                with tf.device(part.device):
+                    copies.append(
+                        tf.Variable(
+                            tf.zeros(part.shape, part.dtype),
+                            trainable=False,
+                            name="copy",
+                        )
+                    )
+        self._copies = copies
+        # Loops over Python lists: nothing for autograph to convert, and
+        # converting them took most of their first call (60 ms).
+        self._save = tf.function(self._save_eagerly, autograph=False)
+        self._restore = tf.function(self._restore_eagerly, autograph=False)
+
     def _save_eagerly(self):
         for copy, variable in zip(self._copies, self._small, strict=True):
-            copy.assign(_read(variable))
+            copy.assign(variable)
         self._touched.assign(False)
 
     def _restore_eagerly(self):
@@ -235,6 +278,8 @@ class StepGuard:
 
     def save_small_state(self) -> None:
         """Copies the small state and clears the marker; before a step."""
+        if len(self.model.metrics_variables) != self._metric_count:
+            self._copy_small_state()
         if self._small:
             self._save()
         else:
@@ -289,10 +334,6 @@ def _small_state(model) -> list:
     trainable = {id(v) for v in model.trainable_variables}
     unique = {id(v): v for v in found if id(v) not in trainable}
     return list(unique.values())
-
-
-def _read(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def _dense(gradient):

@@ -96,7 +96,9 @@ def stop_all_workers(
     until their timeouts (or forever). So the worker that ran out reports
     it to the cluster's coordination service, which fails every worker's
     pending collective at once with the same message, and each worker
-    raises the returned error.
+    raises the returned error. Where every worker already learnt of it at
+    the same step (a `tfmemsafe.fit` step that agrees before its update),
+    nothing is reported: each stops with the same message by itself.
 
     Args:
         err: The out-of-memory error: this worker's own, or the one another
@@ -111,8 +113,9 @@ def stop_all_workers(
         A `tfmemsafe.OutOfMemoryError` to raise from `err`, saying which
         worker ran out and how to restart the job.
     """
+    agreed = getattr(err, AGREED_WORKER, None)
     for line in str(err).splitlines():
-        if _STOPPED in line:
+        if agreed is None and _STOPPED in line:
             # Another worker's report: pass its words on.
             reported = line[line.index(_STOPPED) :]
             return OutOfMemoryError(reported, (batch_size,))
@@ -133,12 +136,26 @@ def stop_all_workers(
             "of `MultiWorkerBackupAndRestore`, and resumes after the last "
             "completed epoch at that size."
         )
+    if agreed is None:
+        worker = worker_index(strategy)
+        why = (
+            "A multi-worker job cannot halve its batch on one worker while "
+            "the others wait in the same collective"
+        )
+    else:
+        worker = agreed
+        why = (
+            "Its batch could not be trained in smaller pieces, and a "
+            "multi-worker job cannot halve its batch while it trains"
+        )
     message = (
-        f"{_STOPPED} {worker_index(strategy)} of {workers} at global batch "
-        f"size {batch_size}. A multi-worker job cannot halve its batch on "
-        "one worker while the others wait in the same collective, so every "
-        f"worker has been stopped. {restart} {_messages.OOM_ADVICE}"
+        f"{_STOPPED} {worker} of {workers} at global batch size "
+        f"{batch_size}. {why}, so every worker has been stopped. {restart} "
+        f"{_messages.OOM_ADVICE}"
     )
+    if agreed is not None:
+        # Every worker learnt of it at the same step, and stops by itself.
+        return OutOfMemoryError(message, (batch_size,))
     try:
         context.context().report_error_to_cluster(
             tf.errors.RESOURCE_EXHAUSTED, message
@@ -153,3 +170,7 @@ def stop_all_workers(
 
 
 _STOPPED = "Out of memory on worker"
+# Set on an out-of-memory error that every worker of the job learnt of at
+# the same step (a training step run as `recovery._agreed_step.AgreedStep`
+# runs it): the index of the worker that ran out.
+AGREED_WORKER = "tfmemsafe_worker"

@@ -236,6 +236,10 @@ class FitRun:
                 0, self.policy.batch_size(VALIDATION)
             )
         self.position.start_epoch(skip, size)
+        step = None if self.split is None else self.split.train_function()
+        if step is not None:
+            # Keras' loop calls it as its own (see `AgreedStep`).
+            self.model.train_function = step
         self.callbacks.set_params(_params(settings, total))
         self.callbacks.resume_at(epoch if begun else None, done)
         try:

@@ -26,6 +26,14 @@ its own gradients weighted by its piece's rows, and its part of the one
 update divides by its share's rows; the update's all-reduce adds the
 replicas' parts, as in Keras' own step: the update of the whole batch,
 to rounding.
+
+Under a `MultiWorkerMirroredStrategy` every step is an `AgreedStep`: a
+worker that runs out of memory leaves the job's collectives usable, and
+every worker raises at the same step. Each then splits the batch the
+same way (the same decision from the same history, and the pieces of the
+same global batch: each worker trains its replicas' shares), and before
+the one update the workers agree again, so that a micro-batch that runs
+out on one worker splits the batch finer on all of them.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import distribute
 from tfmemsafe._sources import BucketedExamples
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.recovery._agreed_step import AgreedStep
+from tfmemsafe.recovery._agreed_step import agree
+from tfmemsafe.recovery._agreed_step import update_name
 from tfmemsafe.recovery._policy import TRAINING
-from tfmemsafe.recovery._policy import accumulation_steps_of
-from tfmemsafe.recovery._policy import window_closes_by_size
 
 _OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
 # The class of `tf.distribute.get_strategy()` outside any strategy's scope;
@@ -78,6 +88,17 @@ class SplitBatch:
         self._sparse_ids = []  # Whose those of the traced step's output are.
         # The most pieces the last batch read again can be split into.
         self.most_pieces_last_read = 0
+        self._workers = distribute.is_multi_worker(self.strategy)
+
+    def train_function(self):
+        """The step to train with: under a `MultiWorkerMirroredStrategy`,
+        an `AgreedStep` (made again after Keras dropped the last one, as
+        a new `accumulation_steps` does); else `None`, Keras' own."""
+        if not self._workers:
+            return None
+        if not isinstance(self.model.train_function, AgreedStep):
+            return AgreedStep(self.model, self.guard)
+        return self.model.train_function
 
     @classmethod
     def for_run(
@@ -89,8 +110,9 @@ class SplitBatch:
         The model must train with Keras' (or `AccumulatingModel`'s) own
         step, whose only update is one `apply` (or `accumulate`), traced
         (not run eagerly), outside any `tf.distribute` strategy or under
-        a one-machine `MirroredStrategy` (under a multi-worker one, every
-        worker stops instead: `distribute.stop_all_workers`); its loss
+        a `MirroredStrategy` or a `MultiWorkerMirroredStrategy` (there
+        with one step per call, and no `BatchNormalization` synchronized
+        across replicas, whose forward pass is a collective); its loss
         must average over the batch's rows, so that each micro-batch
         weighs its rows (not a `reduction` of another kind, a
         `class_weight`, or outputs with a mask, whose loss averages over
@@ -185,13 +207,23 @@ class SplitBatch:
             jit_compile=self.model.jit_compile is True,
         )
         try:
-            update = "accumulate" if self._accumulates() else "apply"
-            with self.guard.deferring(update, self._defer):
-                for index in range(pieces):
-                    piece = self._piece(batch, shares, index, pieces)
-                    logs, parts = step(piece)
-                    for key, part in zip(self._sparse_ids, parts, strict=True):
-                        sparse.setdefault(key, []).append(part)
+            failure = None
+            try:
+                with self.guard.deferring(update_name(self.model), self._defer):
+                    for index in range(pieces):
+                        piece = self._piece(batch, shares, index, pieces)
+                        logs, parts = step(piece)
+                        for key, part in zip(
+                            self._sparse_ids, parts, strict=True
+                        ):
+                            sparse.setdefault(key, []).append(part)
+            except Exception as err:
+                if not self._workers:
+                    raise
+                failure = err
+            if self._workers:
+                # Every worker updates, or every worker splits finer.
+                agree(self.strategy, failure)
             tf.function(self._replicated_update)(sparse)
             if self._replicas > 1:
                 # Each replica's metrics are its own share's; read them
@@ -209,13 +241,6 @@ class SplitBatch:
             self._sums, self._total, self._updates = {}, None, {}
             self._size = None
             self._dense = set()
-
-    def _accumulates(self) -> bool:
-        """Whether the step's update is an `accumulate` into a window of
-        several micro-batches, not an `apply`."""
-        return (
-            accumulation_steps_of(self.model) or 1
-        ) > 1 or window_closes_by_size(self.model)
 
     def _piece(self, batch, shares, piece: int, pieces: int):
         """Micro-batch `piece` of `pieces`: under a strategy, that piece of
@@ -327,12 +352,32 @@ class SplitBatch:
 
 
 def _strategy_can_split(model) -> bool:
-    """Whether the model's strategy is none or a `MirroredStrategy` (one
-    machine: a `MultiWorkerMirroredStrategy` is not one)."""
+    """Whether the model's strategy is none, a `MirroredStrategy`, or a
+    `MultiWorkerMirroredStrategy` whose step can agree before its update
+    (`AgreedStep`): one step per call (Keras' loop of several steps in
+    one function has no place between them to agree), and no collective
+    in the forward pass."""
     strategy = model.distribute_strategy
     if type(strategy).__name__ == _NO_STRATEGY:
         return True
-    return isinstance(strategy, tf.distribute.MirroredStrategy)
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return True
+    if not distribute.is_multi_worker(strategy):
+        return False
+    return getattr(model, "steps_per_execution", 1) == 1 and not any(
+        getattr(layer, "synchronized", False) is True
+        for layer in _all_layers(model)
+    )
+
+
+def _all_layers(model):
+    """Every layer in `model`, nested ones included."""
+    # `_flatten_layers` is Keras' own walk (not public in Keras 3); where
+    # it is missing, the model's own layers.
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is None:
+        return list(model.layers)
+    return list(flatten(include_self=False, recursive=True))
 
 
 def _summed(initial) -> tf.Variable:

@@ -1,0 +1,216 @@
+"""A training step whose out-of-memory error every worker learns of.
+
+Under a `MultiWorkerMirroredStrategy` Keras' step computes a worker's
+gradients and all-reduces them in one function. A worker that runs out of
+memory in its forward or backward pass leaves the others waiting in that
+all-reduce; the error aborts the job's collectives, which TensorFlow
+cannot run again in that process, so every worker has to stop.
+
+`AgreedStep` runs the same step as two functions instead:
+
+1. the worker's own part: forward, backward, metrics, with the update
+   held back (`StepGuard.deferring`), so no collective at all: an
+   out-of-memory error here is this worker's alone, and is caught;
+2. `agree`: every worker says whether its part finished, in one
+   all-reduce of two numbers per replica. If any did not, every worker
+   raises at the same step with nothing changed (the one that ran out its
+   own error, the others "Worker k of n ran out of memory"), and
+   `tfmemsafe.fit` splits that batch the same way on every worker
+   (`SplitBatch`, which agrees the same way before its one update);
+3. the update: the gradients' all-reduce and the optimizer's step, as in
+   Keras' own step, and the logs averaged over the replicas as Keras
+   averages them.
+
+The gradients pass from the first function to the last as they are (no
+copy), and `StepGuard` already makes an update wait for the whole
+backward pass, so what it adds to a step is the two-number all-reduce and
+a second function call, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+
+from tfmemsafe import distribute
+from tfmemsafe import memory
+from tfmemsafe.data._workers import gathered
+from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._policy import window_closes_by_size
+
+
+class AgreedStep:
+    """A model's training step as a worker's part, an agreement and the
+    update; installed as the model's `train_function` for one run.
+
+    Args:
+        model: The `keras.Model`, under a `MultiWorkerMirroredStrategy`,
+            whose step is Keras' or `AccumulatingModel`'s.
+        guard: The run's `StepGuard` (it holds the update back).
+    """
+
+    def __init__(self, model, guard):
+        self.model = model
+        self.guard = guard
+        self.strategy = model.distribute_strategy
+        # While the worker's part is traced, per replica: the update it
+        # asked for.
+        self._traced = threading.local()
+        # From the last trace: `(owner, name, variables, present,
+        # has_count, has_size)`, where `present` indexes the variables
+        # with a gradient; `None` if the step made no update.
+        self._plan = None
+        self._own_part = tf.function(
+            self._run_own_part,
+            reduce_retracing=True,
+            jit_compile=model.jit_compile is True,
+        )
+        self._update = tf.function(self._run_update, reduce_retracing=True)
+
+    def __call__(self, iterator):
+        """One step on the next batch of `iterator` (Keras' fit loop calls
+        it as it calls its own `train_function`)."""
+        data = next(iterator)
+        failure = None
+        try:
+            with self.guard.deferring(update_name(self.model), self._capture):
+                logs, update = self._own_part(data)
+        except Exception as err:  # Told to every worker, then raised.
+            failure = err
+        agree(self.strategy, failure)
+        return self._update(logs, update)
+
+    def _run_own_part(self, data):
+        return self.strategy.run(self._own_part_on_replica, args=(data,))
+
+    def _own_part_on_replica(self, data):
+        self._traced.update = None
+        logs = self.model.train_step(data)
+        if self._traced.update is None:  # No trainable weights.
+            self._plan = None
+            return logs, ()
+        owner, name, variables, gradients, count, size = self._traced.update
+        present = [i for i, g in enumerate(gradients) if g is not None]
+        self._plan = (
+            owner,
+            name,
+            variables,
+            present,
+            count is not None,
+            size is not None,
+        )
+        zero = tf.constant(0.0)
+        return logs, (
+            [gradients[i] for i in present],
+            zero if count is None else count,
+            zero if size is None else size,
+        )
+
+    def _capture(
+        self,
+        owner,
+        name,
+        gradients,
+        trainable_variables=None,
+        sample_count=None,
+        size=None,
+    ):
+        """The update the step asked for, kept for `_run_update`."""
+        variables = list(
+            self.model.trainable_variables
+            if trainable_variables is None
+            else trainable_variables
+        )
+        self._traced.update = (
+            owner,
+            name,
+            variables,
+            list(gradients),
+            sample_count,
+            size,
+        )
+
+    def _run_update(self, logs, update):
+        if self._plan is not None:
+            self.strategy.run(self._update_on_replica, args=(update,))
+        return {
+            name: self.strategy.reduce(
+                tf.distribute.ReduceOp.MEAN, value, axis=None
+            )
+            if isinstance(value, tf.distribute.DistributedValues)
+            else value
+            for name, value in logs.items()
+        }
+
+    def _update_on_replica(self, update):
+        owner, name, variables, present, has_count, has_size = self._plan
+        gradients, count, size = update
+        full = [None] * len(variables)
+        for index, gradient in zip(present, gradients, strict=True):
+            full[index] = gradient
+        if name == "apply":
+            owner.apply(full, variables)
+            return
+        owner.accumulate(
+            full,
+            variables,
+            count if has_count else None,
+            size=size if has_size else None,
+        )
+        owner.apply_if_ready(self.model.optimizer)
+
+
+def update_name(model) -> str:
+    """The step's update: `"accumulate"` into a window of several
+    micro-batches, or `"apply"`."""
+    steps = accumulation_steps_of(model) or 1
+    if steps > 1 or window_closes_by_size(model):
+        return "accumulate"
+    return "apply"
+
+
+def agree(strategy, failure: BaseException | None) -> None:
+    """Raises on every worker if any worker's part of a step failed.
+
+    Every worker calls it at the same point, with its own error or `None`.
+
+    Args:
+        strategy: The `MultiWorkerMirroredStrategy`.
+        failure: This worker's error, or `None` if its part finished.
+
+    Raises:
+        This worker's own error, as it is (an out-of-memory error marked
+        with its worker); else `RuntimeError` if another worker's part
+        failed otherwise, or `tf.errors.ResourceExhaustedError` "Worker k
+        of n ran out of memory" if another ran out.
+    """
+    ran_out = failure is not None and memory.is_oom_error(failure)
+    table = gathered(
+        strategy, [float(ran_out), float(failure is not None and not ran_out)]
+    )
+    if not table.any():
+        return
+    # A worker's replicas hold its row, one after another.
+    by_worker = table[:: len(strategy.extended.worker_devices)]
+    workers = len(by_worker)
+    if failure is not None:
+        if ran_out:
+            own = distribute.worker_index(strategy)
+            setattr(failure, distribute.AGREED_WORKER, own)
+        raise failure
+    failed = [int(w) for w in by_worker[:, 1].nonzero()[0]]
+    if failed:
+        raise RuntimeError(
+            f"Worker {failed[0]} of {workers} failed in this training step "
+            "(its error is in its own log), so every worker stops."
+        )
+    worker = int(by_worker[:, 0].nonzero()[0][0])
+    error = tf.errors.ResourceExhaustedError(
+        None,
+        None,
+        f"Worker {worker} of {workers} ran out of memory in this training "
+        "step (its error is in its own log)",
+    )
+    setattr(error, distribute.AGREED_WORKER, worker)
+    raise error
