@@ -251,14 +251,8 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(dataclasses.asdict(event)["split_into"], 4)
 
 
-def split_under_a_mirrored_strategy(step, accumulation=None):
-    """The split test's run under a `MirroredStrategy` of two CPU
-    devices, beside plain `model.fit` under the same (in a fresh process:
-    the devices are set before TensorFlow makes its own)."""
-    strategy = _models.mirrored_on_two_cpus()
-    expected, logs = _reference(accumulation, epochs=2, strategy=strategy)
-    model = _model(accumulation, strategy=strategy)
-    history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
+def _compared(model, history, expected, logs) -> dict:
+    """A split run's model and history beside the run without a split."""
     return {
         "events": [dataclasses.asdict(e) for e in history.oom_events],
         "batch_size": history.batch_size,
@@ -276,6 +270,33 @@ def split_under_a_mirrored_strategy(step, accumulation=None):
             int(expected.optimizer.iterations.numpy()),
         ],
     }
+
+
+def _assert_the_update_of_the_whole_batch(test, result):
+    """The weights, metrics and update count of a `_compared` run are
+    those of the run without a split."""
+    for difference, scale in zip(
+        result["differences"], result["scales"], strict=True
+    ):
+        test.assertLessEqual(difference, 1e-6 + 1e-5 * scale, result)
+    for metric in ("loss", "accuracy"):
+        test.assertAllClose(
+            result["history"][metric],
+            result["expected_history"][metric],
+            rtol=1e-5,
+        )
+    test.assertEqual(*result["iterations"])
+
+
+def split_under_a_mirrored_strategy(step, accumulation=None):
+    """The split test's run under a `MirroredStrategy` of two CPU
+    devices, beside plain `model.fit` under the same (in a fresh process:
+    the devices are set before TensorFlow makes its own)."""
+    strategy = _models.mirrored_on_two_cpus()
+    expected, logs = _reference(accumulation, epochs=2, strategy=strategy)
+    model = _model(accumulation, strategy=strategy)
+    history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
+    return _compared(model, history, expected, logs)
 
 
 # (step, accumulation) of each run under a `MirroredStrategy`, as the
@@ -311,17 +332,7 @@ class MirroredStrategyTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(event["resumed_at_step"], step)
         self.assertEqual(event["batch_size_after"], event["batch_size_before"])
         self.assertEqual(result["batch_size"], 16)
-        for difference, scale in zip(
-            result["differences"], result["scales"], strict=True
-        ):
-            self.assertLessEqual(difference, 1e-6 + 1e-5 * scale, result)
-        for metric in ("loss", "accuracy"):
-            self.assertAllClose(
-                result["history"][metric],
-                result["expected_history"][metric],
-                rtol=1e-5,
-            )
-        self.assertEqual(*result["iterations"])
+        _assert_the_update_of_the_whole_batch(self, result)
 
 
 def shares_under_mirrored_strategies(rows_list):
@@ -466,22 +477,7 @@ def split_on_two_workers(cases):
             continue
         results.append(
             {
-                "events": [dataclasses.asdict(e) for e in history.oom_events],
-                "differences": [
-                    float(np.max(np.abs(got - want)))
-                    for got, want in zip(
-                        model.get_weights(), expected.get_weights(), strict=True
-                    )
-                ],
-                "scales": [
-                    float(np.max(np.abs(w))) for w in expected.get_weights()
-                ],
-                "history": history.history,
-                "expected_history": logs,
-                "iterations": [
-                    int(model.optimizer.iterations.numpy()),
-                    int(expected.optimizer.iterations.numpy()),
-                ],
+                **_compared(model, history, expected, logs),
                 "worker": tfmemsafe.distribute.worker_index(strategy),
             }
         )
@@ -544,17 +540,7 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
                 self.assertEqual(
                     event["batch_size_after"], event["batch_size_before"]
                 )
-            for difference, scale in zip(
-                result["differences"], result["scales"], strict=True
-            ):
-                self.assertLessEqual(difference, 1e-6 + 1e-5 * scale, result)
-            for metric in ("loss", "accuracy"):
-                self.assertAllClose(
-                    result["history"][metric],
-                    result["expected_history"][metric],
-                    rtol=1e-5,
-                )
-            self.assertEqual(*result["iterations"])
+            _assert_the_update_of_the_whole_batch(self, result)
 
     def test_the_worker_that_ran_out_is_named_on_the_other(self):
         errors = [
