@@ -444,6 +444,11 @@ def split_on_two_workers(cases):
     by `tfmemsafe.fit` on the marked examples in buckets, beside the same
     model without the failing layer; on each worker of two."""
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    batch_losses = []
+
+    class BatchLosses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            batch_losses.append(float(logs["loss"]))
 
     def fit(model, epochs):
         plan = tfmemsafe.data.memory_buckets(
@@ -461,6 +466,7 @@ def split_on_two_workers(cases):
                 _marked_examples(),
                 batch_size="auto",
                 epochs=epochs,
+                callbacks=[BatchLosses()],
                 verbose=0,
             )
 
@@ -470,6 +476,7 @@ def split_on_two_workers(cases):
             expected = _worker_model(None, accumulation)
             model = _worker_model(runs_out_above, accumulation)
         logs = fit(expected, epochs).history
+        batch_losses.clear()
         try:
             history = fit(model, epochs)
         except tfmemsafe.OutOfMemoryError as err:
@@ -479,6 +486,7 @@ def split_on_two_workers(cases):
             {
                 **_compared(model, history, expected, logs),
                 "worker": tfmemsafe.distribute.worker_index(strategy),
+                "batch_losses": list(batch_losses),
             }
         )
     return results
@@ -542,6 +550,15 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
                 )
             _assert_the_update_of_the_whole_batch(self, result)
 
+    def test_every_worker_logs_the_jobs_averages(self):
+        # Keras averages each step's logs over the workers; so does the
+        # step that agrees (a worker's own would differ: its own share).
+        first, second = self.results["halves"]
+        self.assertNotEmpty(first["batch_losses"])
+        self.assertAllClose(
+            first["batch_losses"], second["batch_losses"], rtol=1e-6
+        )
+
     def test_the_worker_that_ran_out_is_named_on_the_other(self):
         errors = [
             {e["error"] for e in result["events"]}
@@ -564,7 +581,8 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
         self.assertRegex(
             first["stopped"],
             r"^Out of memory on worker [01] of 2 at global batch size 16\. "
-            r"Its batch could not be trained in smaller pieces",
+            r"Every worker learnt of it at the same step, that batch was "
+            r"not split further",
         )
 
 

@@ -145,8 +145,9 @@ def stop_all_workers(
     else:
         worker = agreed
         why = (
-            "Its batch could not be trained in smaller pieces, and a "
-            "multi-worker job cannot halve its batch while it trains"
+            "Every worker learnt of it at the same step, that batch was "
+            "not split further (see the log), and a multi-worker job "
+            "cannot halve its batch while it trains"
         )
     message = (
         f"{_STOPPED} {worker} of {workers} at global batch size "

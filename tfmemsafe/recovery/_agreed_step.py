@@ -23,8 +23,10 @@ cannot run again in that process, so every worker has to stop.
 
 The gradients pass from the first function to the last as they are (no
 copy), and `StepGuard` already makes an update wait for the whole
-backward pass, so what it adds to a step is the two-number all-reduce and
-a second function call, whatever the model's size.
+backward pass. What it adds to a step, whatever the model's size: the
+batch read outside the compiled step, the two-number all-reduce on the
+host between the two functions (the device idles meanwhile), and a
+second function call.
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ class AgreedStep:
     def __call__(self, iterator):
         """One step on the next batch of `iterator` (Keras' fit loop calls
         it as it calls its own `train_function`)."""
-        data = next(iterator)
         failure = None
         try:
+            # The end of the data comes on every worker at the same step
+            # (the strategy's iterator agrees on it), and is agreed on here
+            # as any other error.
+            data = next(iterator)
             with self.guard.deferring(update_name(self.model), self._capture):
                 logs, update = self._own_part(data)
         except Exception as err:  # Told to every worker, then raised.
@@ -134,12 +139,13 @@ class AgreedStep:
     def _run_update(self, logs, update):
         if self._plan is not None:
             self.strategy.run(self._update_on_replica, args=(update,))
+        # Every value, as Keras' `reduce_per_replica` does: with one device
+        # a worker, a worker's logs are plain tensors, averaged over the
+        # workers all the same.
         return {
             name: self.strategy.reduce(
                 tf.distribute.ReduceOp.MEAN, value, axis=None
             )
-            if isinstance(value, tf.distribute.DistributedValues)
-            else value
             for name, value in logs.items()
         }
 
@@ -180,10 +186,12 @@ def agree(strategy, failure: BaseException | None) -> None:
         failure: This worker's error, or `None` if its part finished.
 
     Raises:
-        This worker's own error, as it is (an out-of-memory error marked
-        with its worker); else `RuntimeError` if another worker's part
-        failed otherwise, or `tf.errors.ResourceExhaustedError` "Worker k
-        of n ran out of memory" if another ran out.
+        If any worker failed otherwise than by running out of memory: this
+        worker's own error, or else `RuntimeError`, on every worker (so
+        that none goes on to split). Else, if any ran out: this worker's
+        own error, as it is (marked with its worker), or else
+        `tf.errors.ResourceExhaustedError` "Worker k of n ran out of
+        memory".
     """
     ran_out = failure is not None and memory.is_oom_error(failure)
     table = gathered(
@@ -194,17 +202,18 @@ def agree(strategy, failure: BaseException | None) -> None:
     # A worker's replicas hold its row, one after another.
     by_worker = table[:: len(strategy.extended.worker_devices)]
     workers = len(by_worker)
-    if failure is not None:
-        if ran_out:
-            own = distribute.worker_index(strategy)
-            setattr(failure, distribute.AGREED_WORKER, own)
-        raise failure
     failed = [int(w) for w in by_worker[:, 1].nonzero()[0]]
     if failed:
+        if failure is not None and not ran_out:
+            raise failure
         raise RuntimeError(
             f"Worker {failed[0]} of {workers} failed in this training step "
             "(its error is in its own log), so every worker stops."
-        )
+        ) from None  # Not an out-of-memory error: nothing is retried.
+    if failure is not None:
+        own = distribute.worker_index(strategy)
+        setattr(failure, distribute.AGREED_WORKER, own)
+        raise failure
     worker = int(by_worker[:, 0].nonzero()[0][0])
     error = tf.errors.ResourceExhaustedError(
         None,

@@ -93,8 +93,10 @@ def fit(
     gradients make one update, and the epoch goes on at the next batch,
     every bucket at its size (an `OOMEvent` with `split_into`), where the
     data gives the same batches again and the model trains with Keras'
-    (or `AccumulatingModel`'s) own `train_step`, on one device or under a
-    one-machine `MirroredStrategy`.
+    (or `AccumulatingModel`'s) own `train_step`, on one device, under a
+    `MirroredStrategy`, or under a `MultiWorkerMirroredStrategy`, where
+    every worker splits that batch the same way (each step's update
+    waits until every worker has said whether its part ran out).
 
     After a shrink, when the memory that made the batch run out is freed
     (something else held it for a while), the batch grows back to the

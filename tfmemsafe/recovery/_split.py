@@ -165,8 +165,14 @@ class SplitBatch:
         """The epoch's batch `step` again, read from a new pipeline, and
         whether it is the epoch's last."""
         self.most_pieces_last_read = 0
-        batches = iter(self.source.dataset(batch_size).skip(step).take(2))
-        batch = next(batches, None)
+        batches = batch = None
+        try:
+            batches = iter(self.source.dataset(batch_size).skip(step).take(2))
+            batch = next(batches, None)
+        except Exception as err:
+            self._agreed(err)
+            raise
+        self._agreed(None)
         if batch is None:
             raise ValueError(
                 f"The training data gave no batch {step} when it was read "
@@ -189,13 +195,28 @@ class SplitBatch:
         rows = _rows(batch)
         shares = _shares(rows, self._replicas)
         pieces = min(pieces, _most_pieces(rows, self._replicas))
+        # Made before the sums (whose creation under a multi-worker
+        # strategy is a collective), so that one worker's failure to make
+        # them is every worker's.
+        try:
+            zeros = [
+                tf.zeros(v.shape, v.dtype)
+                for v in self.model.trainable_variables
+            ]
+        except Exception as err:
+            self._agreed(err)
+            raise
+        self._agreed(None)
         with self.strategy.scope():
             self._sums = {
-                id(v): _summed(tf.zeros(v.shape, v.dtype))
-                for v in self.model.trainable_variables
+                id(v): _summed(zero)
+                for v, zero in zip(
+                    self.model.trainable_variables, zeros, strict=True
+                )
             }
             self._total = _summed(0.0)
             self._size = _summed(0.0)
+        del zeros
         self._updates, self._dense = {}, set()
         sparse = {}  # id(variable) -> its micro-batches' (values, indices).
         # Compiled whole, `strategy.run` inside, as Keras compiles its
@@ -221,9 +242,8 @@ class SplitBatch:
                 if not self._workers:
                     raise
                 failure = err
-            if self._workers:
-                # Every worker updates, or every worker splits finer.
-                agree(self.strategy, failure)
+            # Every worker updates, or every worker splits finer.
+            self._agreed(failure)
             tf.function(self._replicated_update)(sparse)
             if self._replicas > 1:
                 # Each replica's metrics are its own share's; read them
@@ -241,6 +261,13 @@ class SplitBatch:
             self._sums, self._total, self._updates = {}, None, {}
             self._size = None
             self._dense = set()
+
+    def _agreed(self, failure: BaseException | None) -> None:
+        """Under a multi-worker strategy, raises on every worker if any
+        failed (`agree`); else nothing (a failure is raised where it
+        happened)."""
+        if self._workers:
+            agree(self.strategy, failure)
 
     def _piece(self, batch, shares, piece: int, pieces: int):
         """Micro-batch `piece` of `pieces`: under a strategy, that piece of
