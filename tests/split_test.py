@@ -56,12 +56,14 @@ def _model(accumulation=None, kind=keras.Sequential, strategy=None):
         return _built(accumulation, kind)
 
 
-def _built(accumulation, kind):
+def _built(accumulation, kind, first=(), vocabulary=100):
+    """`first`: layers before the embedding of `vocabulary` token ids."""
     keras.utils.set_random_seed(0)
     model = kind(
         [
             keras.Input((None,), dtype="int32"),
-            keras.layers.Embedding(100, 8),
+            *first,
+            keras.layers.Embedding(vocabulary, 8),
             keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(16, "relu"),
             keras.layers.Dense(3),
@@ -418,25 +420,12 @@ def _worker_model(runs_out_above, accumulation):
     """The split test's model as every model under the multi-worker
     strategy must be (an `AccumulatingModel`), with a
     `RunsOutWithTheMarker` first unless `runs_out_above` is `None`."""
-    keras.utils.set_random_seed(0)
-    layers = [keras.Input((None,), dtype="int32")]
-    if runs_out_above is not None:
-        layers.append(RunsOutWithTheMarker(runs_out_above))
-    layers += [
-        keras.layers.Embedding(_MARKER + 1, 8),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(16, "relu"),
-        keras.layers.Dense(3),
-    ]
-    model = tfmemsafe.with_gradient_accumulation(
-        keras.Sequential(layers), accumulation
+    first = (
+        () if runs_out_above is None else [RunsOutWithTheMarker(runs_out_above)]
     )
-    model.compile(
-        keras.optimizers.Adam(1e-2),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
+    return _built(
+        accumulation, keras.Sequential, first=first, vocabulary=_MARKER + 1
     )
-    return model
 
 
 def split_on_two_workers(cases):

@@ -72,7 +72,6 @@ class StepGuard:
         # then nothing is patched yet.
         with tf.init_scope():
             self._touched = tf.Variable(False, trainable=False)
-        self._small, self._copies, self._metric_count = [], [], None
         self._copy_small_state()
         for optimizer in optimizers:
             self._patch(optimizer, "apply")

@@ -122,15 +122,10 @@ class AgreedStep:
         size=None,
     ):
         """The update the step asked for, kept for `_run_update`."""
-        variables = list(
-            self.model.trainable_variables
-            if trainable_variables is None
-            else trainable_variables
-        )
         self._traced.update = (
             owner,
             name,
-            variables,
+            updated_variables(self.model, trainable_variables),
             list(gradients),
             sample_count,
             size,
@@ -165,6 +160,14 @@ class AgreedStep:
             size=size if has_size else None,
         )
         owner.apply_if_ready(self.model.optimizer)
+
+
+def updated_variables(model, trainable_variables) -> list:
+    """The variables an `apply` or `accumulate` call updates: those it
+    was given, or else the model's trainable ones."""
+    if trainable_variables is None:
+        return list(model.trainable_variables)
+    return list(trainable_variables)
 
 
 def update_name(model) -> str:

@@ -51,6 +51,7 @@ from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._agreed_step import AgreedStep
 from tfmemsafe.recovery._agreed_step import agree
 from tfmemsafe.recovery._agreed_step import update_name
+from tfmemsafe.recovery._agreed_step import updated_variables
 from tfmemsafe.recovery._policy import TRAINING
 
 _OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
@@ -165,14 +166,12 @@ class SplitBatch:
         """The epoch's batch `step` again, read from a new pipeline, and
         whether it is the epoch's last."""
         self.most_pieces_last_read = 0
-        batches = batch = None
-        try:
+
+        def read():
             batches = iter(self.source.dataset(batch_size).skip(step).take(2))
-            batch = next(batches, None)
-        except Exception as err:
-            self._agreed(err)
-            raise
-        self._agreed(None)
+            return batches, next(batches, None)
+
+        batches, batch = self._on_every_worker(read)
         if batch is None:
             raise ValueError(
                 f"The training data gave no batch {step} when it was read "
@@ -198,15 +197,12 @@ class SplitBatch:
         # Made before the sums (whose creation under a multi-worker
         # strategy is a collective), so that one worker's failure to make
         # them is every worker's.
-        try:
-            zeros = [
+        zeros = self._on_every_worker(
+            lambda: [
                 tf.zeros(v.shape, v.dtype)
                 for v in self.model.trainable_variables
             ]
-        except Exception as err:
-            self._agreed(err)
-            raise
-        self._agreed(None)
+        )
         with self.strategy.scope():
             self._sums = {
                 id(v): _summed(zero)
@@ -227,23 +223,19 @@ class SplitBatch:
             reduce_retracing=True,
             jit_compile=self.model.jit_compile is True,
         )
+
+        def micro_batches():
+            with self.guard.deferring(update_name(self.model), self._defer):
+                for index in range(pieces):
+                    piece = self._piece(batch, shares, index, pieces)
+                    logs, parts = step(piece)
+                    for key, part in zip(self._sparse_ids, parts, strict=True):
+                        sparse.setdefault(key, []).append(part)
+            return logs
+
         try:
-            failure = None
-            try:
-                with self.guard.deferring(update_name(self.model), self._defer):
-                    for index in range(pieces):
-                        piece = self._piece(batch, shares, index, pieces)
-                        logs, parts = step(piece)
-                        for key, part in zip(
-                            self._sparse_ids, parts, strict=True
-                        ):
-                            sparse.setdefault(key, []).append(part)
-            except Exception as err:
-                if not self._workers:
-                    raise
-                failure = err
             # Every worker updates, or every worker splits finer.
-            self._agreed(failure)
+            logs = self._on_every_worker(micro_batches)
             tf.function(self._replicated_update)(sparse)
             if self._replicas > 1:
                 # Each replica's metrics are its own share's; read them
@@ -262,12 +254,19 @@ class SplitBatch:
             self._size = None
             self._dense = set()
 
-    def _agreed(self, failure: BaseException | None) -> None:
-        """Under a multi-worker strategy, raises on every worker if any
-        failed (`agree`); else nothing (a failure is raised where it
-        happened)."""
+    def _on_every_worker(self, work):
+        """`work()`'s result; under a multi-worker strategy, once every
+        worker's has finished, and if any failed, an error on every
+        worker (`agree`)."""
+        try:
+            result = work()
+        except Exception as err:
+            if self._workers:
+                agree(self.strategy, err)  # Raises.
+            raise
         if self._workers:
-            agree(self.strategy, failure)
+            agree(self.strategy, None)
+        return result
 
     def _piece(self, batch, shares, piece: int, pieces: int):
         """Micro-batch `piece` of `pieces`: under a strategy, that piece of
@@ -318,11 +317,7 @@ class SplitBatch:
         batch's slices is not the update of their sum per row (Keras'
         Adam squares each slice).
         """
-        variables = list(
-            self.model.trainable_variables
-            if trainable_variables is None
-            else trainable_variables
-        )
+        variables = updated_variables(self.model, trainable_variables)
         weight = (
             self._traced.rows
             if sample_count is None
@@ -391,20 +386,11 @@ def _strategy_can_split(model) -> bool:
         return True
     if not distribute.is_multi_worker(strategy):
         return False
+    # Keras has no public walk of the nested layers (as `StepGuard`'s).
+    layers = model._flatten_layers(include_self=False)  # noqa: SLF001
     return getattr(model, "steps_per_execution", 1) == 1 and not any(
-        getattr(layer, "synchronized", False) is True
-        for layer in _all_layers(model)
+        getattr(layer, "synchronized", False) is True for layer in layers
     )
-
-
-def _all_layers(model):
-    """Every layer in `model`, nested ones included."""
-    # `_flatten_layers` is Keras' own walk (not public in Keras 3); where
-    # it is missing, the model's own layers.
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is None:
-        return list(model.layers)
-    return list(flatten(include_self=False, recursive=True))
 
 
 def _summed(initial) -> tf.Variable:
