@@ -77,11 +77,16 @@ class SplitBatch:
         self.source = source
         self.strategy = model.distribute_strategy
         self._replicas = self.strategy.num_replicas_in_sync
+        # The open split (`begin` to `close`): each replica's share of
+        # its batch, the compiled micro-batch step and its last logs.
+        self._shares, self._step, self._logs = [], None, None
         self._sums = {}  # id(variable) -> its weighted gradient sum.
         self._total = None  # The micro-batches' weights, summed.
         self._size = None  # Their sizes, for a window closed by size.
         self._updates = {}  # id(owner) -> (owner, method name, variables).
         self._dense = set()  # id(variable) of those with a dense gradient.
+        # id(variable) -> its micro-batches' sparse `(values, indices)`.
+        self._sparse = {}
         # While a micro-batch's step is traced, per replica (each traces
         # it in a thread of its own): its rows (`rows`) and its sparse
         # gradients, `(id(variable), (values, indices))` (`sparse`).
@@ -191,9 +196,25 @@ class SplitBatch:
             tf.errors.ResourceExhaustedError: A micro-batch ran out too;
                 the model's variables and optimizer are as before.
         """
-        rows = _rows(batch)
-        shares = _shares(rows, self._replicas)
-        pieces = min(pieces, _most_pieces(rows, self._replicas))
+        self.begin(batch)
+        try:
+            pieces = min(pieces, self.most_pieces())
+            # Every worker updates, or every worker splits finer.
+            self._on_every_worker(
+                lambda: [
+                    self.train_piece(self.uniform_bounds(index, pieces))
+                    for index in range(pieces)
+                ]
+            )
+            return self.finish()
+        finally:
+            self.close()
+
+    def begin(self, batch) -> None:
+        """Opens the split of `batch` (a batch as Keras' step takes it, or
+        one of `tf.distribute` values, a share on each replica): its
+        gradient sums start at zero."""
+        self._shares = _replica_shares(batch, self.strategy, self._replicas)
         # Made before the sums (whose creation under a multi-worker
         # strategy is a collective), so that one worker's failure to make
         # them is every worker's.
@@ -213,46 +234,76 @@ class SplitBatch:
             self._total = _summed(0.0)
             self._size = _summed(0.0)
         del zeros
-        self._updates, self._dense = {}, set()
-        sparse = {}  # id(variable) -> its micro-batches' (values, indices).
+        self._updates, self._dense, self._sparse = {}, set(), {}
         # Compiled whole, `strategy.run` inside, as Keras compiles its
         # step (a compiled function run per GPU replica could not
         # `merge_call`, which an `AccumulatingModel`'s step does).
-        step = tf.function(
+        self._step = tf.function(
             lambda piece: self.strategy.run(self._micro_batch, args=(piece,)),
             reduce_retracing=True,
             jit_compile=self.model.jit_compile is True,
         )
 
-        def micro_batches():
-            with self.guard.deferring(update_name(self.model), self._defer):
-                for index in range(pieces):
-                    piece = self._piece(batch, shares, index, pieces)
-                    logs, parts = step(piece)
-                    for key, part in zip(self._sparse_ids, parts, strict=True):
-                        sparse.setdefault(key, []).append(part)
-            return logs
+    def share_rows(self) -> list:
+        """The rows of each replica's share of the open split's batch."""
+        return [_rows(share) for share in self._shares]
 
-        try:
-            # Every worker updates, or every worker splits finer.
-            logs = self._on_every_worker(micro_batches)
-            tf.function(self._replicated_update)(sparse)
-            if self._replicas > 1:
-                # Each replica's metrics are its own share's; read them
-                # all. Anything else (an `AccumulatingModel`'s
-                # `skipped_windows`) is the same on every replica.
-                metrics = self.model.get_metrics_result()
-                logs = {
-                    name: metrics[name]
-                    if name in metrics
-                    else self.strategy.experimental_local_results(value)[0]
-                    for name, value in logs.items()
-                }
-            return {name: _python(value) for name, value in logs.items()}
-        finally:
-            self._sums, self._total, self._updates = {}, None, {}
-            self._size = None
-            self._dense = set()
+    def most_pieces(self) -> int:
+        """The most pieces the open split's batch is split into: each
+        keeps a row of every replica's share (of those with any)."""
+        return int(min((r for r in self.share_rows() if r), default=1))
+
+    def uniform_bounds(self, index: int, pieces: int) -> list:
+        """Rows `(start, end)` of each share that piece `index` of
+        `pieces` equal pieces trains."""
+        bounds = []
+        for rows in self.share_rows():
+            cuts = np.linspace(0, rows, pieces + 1).astype(int)
+            bounds.append((int(cuts[index]), int(cuts[index + 1])))
+        return bounds
+
+    def train_piece(self, bounds) -> dict:
+        """Trains one micro-batch: rows `bounds[r]` of each replica `r`'s
+        share, its gradients added to the sums (the update waits for
+        `finish`).
+
+        Returns:
+            The micro-batch's logs, as its step returned them.
+
+        Raises:
+            tf.errors.ResourceExhaustedError: It ran out; the split's sums
+                are then unusable (`close` it).
+        """
+        with self.guard.deferring(update_name(self.model), self._defer):
+            logs, parts = self._step(self._piece(bounds))
+        for key, part in zip(self._sparse_ids, parts, strict=True):
+            self._sparse.setdefault(key, []).append(part)
+        self._logs = logs
+        return logs
+
+    def finish(self) -> dict:
+        """Makes the one update of the pieces trained, and returns the
+        step's logs (the metrics after its last micro-batch)."""
+        tf.function(self._replicated_update)(self._sparse)
+        logs = self._logs
+        if self._replicas > 1:
+            # Each replica's metrics are its own share's; read them
+            # all. Anything else (an `AccumulatingModel`'s
+            # `skipped_windows`) is the same on every replica.
+            metrics = self.model.get_metrics_result()
+            logs = {
+                name: metrics[name]
+                if name in metrics
+                else self.strategy.experimental_local_results(value)[0]
+                for name, value in logs.items()
+            }
+        return {name: _python(value) for name, value in logs.items()}
+
+    def close(self) -> None:
+        """Drops the open split's sums and batch."""
+        self._sums, self._total, self._updates = {}, None, {}
+        self._size = self._step = self._logs = None
+        self._dense, self._sparse, self._shares = set(), {}, []
 
     def _on_every_worker(self, work):
         """`work()`'s result; under a multi-worker strategy, once every
@@ -268,19 +319,16 @@ class SplitBatch:
             agree(self.strategy, None)
         return result
 
-    def _piece(self, batch, shares, piece: int, pieces: int):
-        """Micro-batch `piece` of `pieces`: under a strategy, that piece of
-        each replica's share of `batch` (`shares`), on each replica."""
-
-        def on_replica(replica: int):
-            start, end = shares[replica], shares[replica + 1]
-            bounds = np.linspace(start, end, pieces + 1).astype(int)
-            return _slice(batch, bounds[piece], bounds[piece + 1])
-
+    def _piece(self, bounds):
+        """The micro-batch of rows `bounds[r]` of each replica `r`'s
+        share: under a strategy, on each replica."""
         if self._replicas == 1:
-            return on_replica(0)
+            return _slice(self._shares[0], *bounds[0])
         return self.strategy.experimental_distribute_values_from_function(
-            lambda context: on_replica(context.replica_id_in_sync_group)
+            lambda context: _slice(
+                self._shares[context.replica_id_in_sync_group],
+                *bounds[context.replica_id_in_sync_group],
+            )
         )
 
     def _micro_batch(self, data):
@@ -441,6 +489,27 @@ def _most_pieces(rows: int, replicas: int) -> int:
     of every replica's share (of those with any)."""
     sizes = np.diff(_shares(rows, replicas))
     return int(min((size for size in sizes if size), default=1))
+
+
+def _replica_shares(batch, strategy, replicas: int) -> list:
+    """Each replica's share of `batch`: its local values when the batch
+    is one of `tf.distribute` values, else the rows TensorFlow gives
+    each replica of a batch of that size."""
+    leaves = tf.nest.flatten(batch)
+    if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
+        local = tf.nest.map_structure(
+            strategy.experimental_local_results, batch
+        )
+        return [
+            tf.nest.map_structure_up_to(
+                batch, lambda parts, r=r: parts[r], local
+            )
+            for r in range(replicas)
+        ]
+    if replicas == 1:
+        return [batch]
+    cuts = _shares(_rows(batch), replicas)
+    return [_slice(batch, cuts[r], cuts[r + 1]) for r in range(replicas)]
 
 
 def _rows(batch) -> int:
