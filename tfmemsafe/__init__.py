@@ -32,6 +32,7 @@ from tfmemsafe.monitor import MemoryMonitor
 from tfmemsafe.recovery import evaluate
 from tfmemsafe.recovery import find_max_batch_size
 from tfmemsafe.recovery import fit
+from tfmemsafe.recovery import SplitBatchOnOOM
 from tfmemsafe.recovery import predict
 from tfmemsafe.runtime import RuntimeConfig
 from tfmemsafe.runtime import configure
@@ -60,6 +61,7 @@ __all__ = [
     "OOMEvent",
     "OutOfMemoryError",
     "RuntimeConfig",
+    "SplitBatchOnOOM",
     "UnfreezeSummary",
     "build_frozen_mobilenet_v2",
     "cache_features",

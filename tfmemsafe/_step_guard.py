@@ -46,6 +46,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tfmemsafe import _compat
 from tfmemsafe._model_state import local_parts
 
 # The guard installed on each model, if any.
@@ -285,9 +286,19 @@ class StepGuard:
             self._touched.assign(False)
 
     def restore_small_state(self) -> None:
-        """Puts the small state back as `save_small_state` found it."""
+        """Puts the small state back as `save_small_state` found it.
+
+        A metric whose variables the failed step made (Keras builds the
+        compiled metrics at the first step) had no value before it: it is
+        reset to its start."""
         if self._small:
             self._restore()
+        if len(self.model.metrics_variables) != self._metric_count:
+            copied = {id(part) for part in self._small}
+            for metric in self.model.metrics:
+                parts = [p for v in metric.variables for p in local_parts(v)]
+                if any(id(part) not in copied for part in parts):
+                    metric.reset_state()
 
     def touched(self) -> bool:
         """Whether an update of the failed step may have begun."""
@@ -323,13 +334,10 @@ def _small_state(model) -> list:
     frozen layer's weights are left out: nothing assigns them.
     """
     found = list(model.metrics_variables)
-    layers = [model, *model._flatten_layers(include_self=False)]  # noqa: SLF001
-    for layer in layers:
+    for layer in [model, *_compat.nested_layers(model)]:
         if layer.trainable:
-            # Keras has no public name for a layer's own variables.
-            found += list(layer._non_trainable_variables)  # noqa: SLF001
-        for generator in getattr(layer, "_seed_generators", []):
-            found.append(generator.state)
+            found += _compat.own_non_trainable_variables(layer)
+        found += _compat.seed_generator_states(layer)
     trainable = {id(v) for v in model.trainable_variables}
     unique = {id(v): v for v in found if id(v) not in trainable}
     return list(unique.values())

@@ -62,9 +62,10 @@ class OOMEvent:
         if self.phase == "preflight":
             where = "pre-flight check"
         if self.split_into:
+            update = " for one update" if self.phase == "training" else ""
             return (
                 f"epoch {self.epoch + 1}, {where}: its batch split into "
-                f"{self.split_into} micro-batches for one update, batch "
+                f"{self.split_into} micro-batches{update}, batch "
                 f"size {self.batch_size_after} kept{accumulation}"
             )
         return (

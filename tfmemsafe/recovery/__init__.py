@@ -15,5 +15,12 @@ from tfmemsafe.recovery._batch_search import find_max_batch_size
 from tfmemsafe.recovery._evaluate import evaluate
 from tfmemsafe.recovery._evaluate import predict
 from tfmemsafe.recovery._fit import fit
+from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
 
-__all__ = ["evaluate", "find_max_batch_size", "fit", "predict"]
+__all__ = [
+    "SplitBatchOnOOM",
+    "evaluate",
+    "find_max_batch_size",
+    "fit",
+    "predict",
+]

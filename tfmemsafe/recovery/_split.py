@@ -44,6 +44,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe._sources import BucketedExamples
 from tfmemsafe._step_guard import StepGuard
@@ -434,8 +435,7 @@ def _strategy_can_split(model) -> bool:
         return True
     if not distribute.is_multi_worker(strategy):
         return False
-    # Keras has no public walk of the nested layers (as `StepGuard`'s).
-    layers = model._flatten_layers(include_self=False)  # noqa: SLF001
+    layers = _compat.nested_layers(model)
     return getattr(model, "steps_per_execution", 1) == 1 and not any(
         getattr(layer, "synchronized", False) is True for layer in layers
     )
@@ -465,11 +465,8 @@ def _loss_averages_over_rows(model, source) -> bool:
         if reduction not in (None, "sum_over_batch_size"):
             return False
     outputs = model(source.sample_inputs(), training=False)
-    # Keras keeps a tensor's mask in this attribute (`get_keras_mask` is
-    # not public in 3.5).
-    return all(
-        getattr(output, "_keras_mask", None) is None
-        for output in tf.nest.flatten(outputs)
+    return not any(
+        _compat.has_keras_mask(output) for output in tf.nest.flatten(outputs)
     )
 
 

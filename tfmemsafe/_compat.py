@@ -1,0 +1,103 @@
+"""The private Keras names tfmemsafe reaches for, each in one place.
+
+Each function here reads one thing Keras keeps under a private name, says
+why no public API serves, and the versions it was checked on (Keras 3.5,
+3.8 and 3.15). Where a release moves the name, the function warns once
+and falls back to a reading that refuses rather than guesses: a split
+that cannot be shown exact is not made, a state that cannot be listed is
+left out and said so. `tests/compat_test.py` fails loudly when a name
+moves.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+_warned = set()
+
+
+def _moved(name: str, consequence: str) -> None:
+    """Warns once that Keras moved `name`, and what follows."""
+    if name in _warned:
+        return
+    _warned.add(name)
+    warnings.warn(
+        f"This Keras ({keras.__version__}) has no `{name}`, which tfmemsafe "
+        f"reads: {consequence} Please report it with your Keras version.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def nested_layers(model) -> list:
+    """Every layer inside `model`, nested ones included, not `model`.
+
+    Keras has no public walk of nested layers (`model.layers` is one
+    level). Checked: `Layer._flatten_layers(include_self=False)`.
+    """
+    walk = getattr(model, "_flatten_layers", None)
+    if walk is None:
+        _moved(
+            "Layer._flatten_layers",
+            "only the top-level layers are searched.",
+        )
+        return list(getattr(model, "layers", []))
+    return list(walk(include_self=False))
+
+
+def own_non_trainable_variables(layer) -> list:
+    """The non-trainable variables a layer made itself (moving statistics),
+    not those of its sublayers. Keras' public `non_trainable_variables`
+    also lists a frozen sublayer's weights, which nothing assigns.
+    Checked: `Layer._non_trainable_variables`."""
+    own = getattr(layer, "_non_trainable_variables", None)
+    if own is None:
+        _moved(
+            "Layer._non_trainable_variables",
+            "every non-trainable variable of the layer is saved instead.",
+        )
+        return list(layer.non_trainable_variables)
+    return list(own)
+
+
+def seed_generator_states(layer) -> list:
+    """The state variables of a layer's `keras.random.SeedGenerator`s
+    (a `Dropout`'s), which a training step advances. Keras lists no
+    layer's generators publicly. Checked: `Layer._seed_generators`."""
+    generators = getattr(layer, "_seed_generators", None)
+    if generators is None:
+        _moved(
+            "Layer._seed_generators",
+            "a failed step's random draws are not put back.",
+        )
+        return []
+    return [generator.state for generator in generators]
+
+
+def has_keras_mask(tensor) -> bool:
+    """Whether a layer attached a Keras mask to `tensor`.
+
+    `keras.ops` has no public reader of a tensor's mask. Checked:
+    `keras.src.backend.get_keras_mask` (Keras 3.6 and later), and before
+    it the attribute `_keras_mask` that it reads. Where neither is found,
+    the tensor is taken to be masked: a loss over masked outputs does not
+    average over the batch's rows, so a batch is then not split.
+    """
+    try:
+        from keras.src.backend import get_keras_mask
+    except ImportError:
+        if _version() < (3, 6):
+            return getattr(tensor, "_keras_mask", None) is not None
+        _moved(
+            "keras.src.backend.get_keras_mask",
+            "every output is taken to be masked, so a batch that runs out "
+            "of memory is not split.",
+        )
+        return True
+    return get_keras_mask(tensor) is not None
+
+
+def _version() -> tuple:
+    return tuple(int(part) for part in keras.__version__.split(".")[:2])

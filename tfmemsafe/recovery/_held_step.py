@@ -1,0 +1,525 @@
+"""Keras' step functions with each batch held, so that one that runs out
+of memory is trained again as micro-batches: `HeldSteps`.
+
+Keras' `fit` calls `model.train_function(iterator)` once a step, from
+plain Python. `HeldSteps.train` takes that place: it reads the step's
+batch from the iterator (eagerly, as Keras' own step would inside its
+function), trains it with Keras' `train_step`, and when that raises an
+out-of-memory error (`tfmemsafe.is_oom_error`), trains the same batch
+again as micro-batches whose gradients make one update (`SplitBatch`),
+sized by `MicroBatchSize`. Nothing before the batch is replayed, no
+sample is skipped or seen twice, the data pipeline is not touched.
+`test` and `predict` do the same for `evaluate` (metrics add up over the
+micro-batches) and `predict` (the micro-batches' outputs are joined).
+
+What a failed attempt changed is put back by the run's `StepGuard`: the
+update waits until every gradient exists, and the small state (metrics,
+moving statistics, seed states) is copied before each step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmemsafe import _compat
+from tfmemsafe import distribute
+from tfmemsafe import memory
+from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.history import GrowBackEvent
+from tfmemsafe.history import OOMEvent
+from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
+from tfmemsafe.recovery._policy import accumulation_steps_of
+from tfmemsafe.recovery._retry import _refuse_xla_on_cpu
+from tfmemsafe.recovery._split import SplitBatch
+from tfmemsafe.recovery._split import _strategy_can_split
+
+_OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
+# Reductions that divide a loss by the rows of its batch (times any fixed
+# axes), so that micro-batches weighted by their rows add up to it.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+_PHASES = ("train", "test", "predict")
+# What an attempt that ran out returns (its micro-batches were made
+# smaller): no logs of any step are this object.
+_RAN_OUT = object()
+
+
+class HeldSteps:
+    """The train, test and predict functions of one model's run.
+
+    Args:
+        model: The compiled `keras.Model`.
+        guard: The run's `StepGuard`.
+        grow_back_after: int. Clean steps before micro-batches grow back.
+        split_batch_norm: bool. Whether a model whose `BatchNormalization`
+            trains is split all the same.
+    """
+
+    def __init__(
+        self, model, guard, grow_back_after: int, split_batch_norm: bool
+    ):
+        self.model = model
+        self.split_batch_norm = split_batch_norm
+        self.guard = guard
+        self.strategy = model.distribute_strategy
+        with self.strategy.scope():
+            self.devices = memory.default_devices()
+        limit = memory.memory_info(self.devices[0]).limit_bytes
+        # Each phase's own: evaluation needs less memory than training.
+        self.sizes = {
+            name: MicroBatchSize(grow_back_after, limit) for name in _PHASES
+        }
+        self.window = memory.PeakWindow(self.devices)
+        self.oom_events = []
+        self.grow_back_events = []
+        # Where the run is, for the events: set by `SplitBatchOnOOM`.
+        self.epoch = self.step = None
+        self.in_fit = False
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # Built eagerly: a first step that runs out would otherwise
+            # build it in a trace that never ran.
+            with self.strategy.scope():
+                optimizer.build(model.trainable_variables)
+        self._split = SplitBatch(model, guard, source=None)
+        self._refusal = {}  # phase -> why its batches are not split.
+        # The current attempt's micro-batches begun and planned, and the
+        # errors before it, recorded as `OOMEvent`s once it says how it ran
+        # the batch.
+        self._pieces = self._planned = 0
+        self._pending = []
+        self._steps = {
+            name: tf.function(
+                lambda data, step=step: self.strategy.run(step, args=(data,)),
+                reduce_retracing=True,
+                jit_compile=model.jit_compile is True,
+            )
+            for name, step in (
+                ("train", model.train_step),
+                ("test", model.test_step),
+                ("predict", model.predict_step),
+            )
+        }
+
+    # Keras' functions.
+
+    def train(self, iterator):
+        """`model.train_function`: the next steps' batches, trained."""
+        for batch in _read(iterator, self.model.steps_per_execution):
+            logs = self._run("train", batch)
+        return logs
+
+    def test(self, iterator):
+        """`model.test_function`: the next steps' batches, evaluated."""
+        for batch in _read(iterator, self.model.steps_per_execution):
+            logs = self._run("test", batch)
+        return logs
+
+    def predict(self, batches):
+        """`model.predict_function`: the outputs of `batches` (the list
+        Keras reads for a call), joined."""
+        outputs = [
+            self._run("predict", _without_optionals(batch)) for batch in batches
+        ]
+        return _joined(outputs)
+
+    # One batch.
+
+    def _run(self, name: str, batch):
+        """`batch` through the `name` step, in micro-batches as many as
+        `MicroBatchSize` says; again in smaller ones after an OOM."""
+        size = self.sizes[name]
+        rows = _rows(batch)
+        in_use = self._in_use()
+        grown = size.grow_back_rows(in_use)
+        if grown is not None:
+            before = size.rows_for(rows)
+            result = self._attempt(name, batch, rows, grown)
+            if result is not _RAN_OUT:
+                size.grew_back(grown, rows)
+                self._grew_back(name, rows, before, grown, in_use)
+                size.trained()
+                return result
+        while True:
+            result = self._attempt(name, batch, rows, size.rows_for(rows))
+            if result is not _RAN_OUT:
+                size.trained()
+                return result
+
+    def _attempt(self, name: str, batch, rows: int, piece: int):
+        """`batch` through the `name` step in micro-batches of `piece`
+        rows; `_RAN_OUT` when it ran out and they were made smaller.
+
+        Raises:
+            OutOfMemoryError: They cannot be made smaller, or the batch
+                cannot be split exactly.
+        """
+        self.guard.save_small_state()
+        self._pieces = self._planned = 0
+        try:
+            if piece >= rows:
+                result = self._measured_step(name, batch, rows)
+            elif name == "train" and type(self.model).train_step in (
+                _OWN_TRAIN_STEPS
+            ):
+                result = self._split_train(batch, rows, piece)
+            else:
+                result = self._in_pieces(name, batch, rows, piece)
+        except Exception as err:  # noqa: BLE001 (re-raised unless an OOM)
+            if not memory.is_oom_error(err):
+                raise
+            self.guard.restore_small_state()
+            self._record_pending()
+            self._after_oom(name, err, batch, rows, piece)
+            return _RAN_OUT
+        self._record_pending()
+        return result
+
+    def _record_pending(self) -> None:
+        """The `OOMEvent`s of the errors before this attempt, with the
+        micro-batches it ran the batch as."""
+        for pending in self._pending:
+            event = OOMEvent(**pending, split_into=max(self._planned, 1))
+            self.oom_events.append(event)
+        self._pending = []
+
+    def _split_train(self, batch, rows: int, piece: int):
+        """`batch` as micro-batches of Keras' step and one update."""
+        split = self._split
+        split.begin(batch)
+        try:
+            if self.strategy.num_replicas_in_sync > 1:
+                pieces = min(math.ceil(rows / piece), split.most_pieces())
+                self._planned = pieces
+                for index in range(pieces):
+                    self._pieces += 1
+                    split.train_piece(split.uniform_bounds(index, pieces))
+            else:
+                self._each_piece(
+                    "train",
+                    rows,
+                    lambda start, end: split.train_piece([(start, end)]),
+                )
+            return split.finish()
+        finally:
+            split.close()
+
+    def _in_pieces(self, name: str, batch, rows: int, piece: int):
+        """`batch` through the `name` step in slices, each its own call:
+        metrics add up, predictions are joined, and a model's own
+        `train_step` makes its own update on each slice."""
+        outputs = self._each_piece(
+            name,
+            rows,
+            lambda start, end: self._reduced(
+                name, self._steps[name](_slice(batch, start, end))
+            ),
+        )
+        return _joined(outputs) if name == "predict" else outputs[-1]
+
+    def _each_piece(self, name: str, rows: int, run) -> list:
+        """`run(start, end)` for consecutive micro-batches of a batch of
+        `rows`, each measured, sized by `MicroBatchSize` (after a probe,
+        if it asks for one); their results."""
+        size, start, results = self.sizes[name], 0, []
+        probe = size.probe_rows()
+        while start < rows:
+            first = probe if start == 0 and probe else None
+            end = min(rows, start + (first or size.rows_for(rows)))
+            self._planned = self._pieces + 1
+            self._planned += math.ceil((rows - end) / size.rows_for(rows))
+            before = self._in_use()
+            self.window.reset()
+            self._pieces += 1
+            results.append(run(start, end))
+            size.measured(end - start, self._peak(), before)
+            start = end
+        return results
+
+    def _measured_step(self, name: str, batch, rows: int):
+        before = self._in_use()
+        self.window.reset()
+        result = self._reduced(name, self._steps[name](batch))
+        self.sizes[name].measured(rows, self._peak(), before)
+        return result
+
+    def _after_oom(self, name: str, err, batch, rows: int, piece: int):
+        """Decides the next attempt after `err`, or raises."""
+        _refuse_xla_on_cpu(self.model, err)
+        if self.guard.touched():
+            raise OutOfMemoryError(
+                f"Out of memory inside the update of a batch of {rows} "
+                "(every gradient existed; the optimizer had begun to change "
+                "the weights, so they may be partly updated). The step is "
+                "not retried. Instead, restart from the last checkpoint "
+                "(`keras.callbacks.BackupAndRestore`) with a smaller batch "
+                "or more free memory.",
+                tried_batch_sizes=(rows,),
+            ) from err
+        refusal = self._refusal_of(name, batch)
+        if refusal is not None:
+            raise OutOfMemoryError(
+                f"A batch of {rows} ran out of memory and is not split into "
+                f"micro-batches: {refusal}, so their sum would not be the "
+                "batch's. Instead, use a smaller `batch_size`.",
+                tried_batch_sizes=(rows,),
+            ) from err
+        smaller = self.sizes[name].ran_out(piece, self._in_use())
+        if smaller is None:
+            raise OutOfMemoryError(
+                f"A batch of {rows} ran out of memory even as micro-batches "
+                "of one example. Instead, try mixed precision, gradient "
+                "checkpointing (`tfmemsafe.checkpoint_blocks`), a frozen "
+                "backbone or a smaller model.",
+                tried_batch_sizes=(rows,),
+            ) from err
+        pending = dict(
+            epoch=self.epoch if self.epoch is not None else 0,
+            step=self.step if self.step is not None else 0,
+            phase=self._phase(name),
+            batch_size_before=rows,
+            batch_size_after=rows,
+            accumulation_steps=accumulation_steps_of(self.model),
+            error=_first_line(err),
+            resumed_at_step=self.step,
+        )
+        self._pending.append(pending)
+        probe = self.sizes[name].probe_rows()
+        logging.warning(
+            "Out of memory, %s: the batch of %d runs again as micro-batches "
+            "of %s%s.",
+            _where(pending),
+            rows,
+            f"{smaller} rows"
+            if probe is None
+            else f"a size measured on a first one of {probe} rows",
+            ", for one update" if name == "train" else "",
+        )
+
+    def _grew_back(self, name, rows, before, grown, in_use) -> None:
+        event = GrowBackEvent(
+            epoch=self.epoch if self.epoch is not None else 0,
+            step=self.step if self.step is not None else 0,
+            batch_size_before=before,
+            batch_size_after=min(grown, rows),
+            accumulation_steps=accumulation_steps_of(self.model),
+            predicted=f"{_mib(in_use)} in use before the step",
+        )
+        self.grow_back_events.append(event)
+        logging.info(
+            "%s micro-batches grew back from %d to %d rows (%s).",
+            self._phase(name).capitalize(),
+            before,
+            min(grown, rows),
+            event.predicted,
+        )
+
+    def _phase(self, name: str) -> str:
+        if name == "train":
+            return "training"
+        if name == "test":
+            return "validation" if self.in_fit else "evaluation"
+        return "prediction"
+
+    def _reduced(self, name: str, outputs):
+        """Per-replica outputs as Keras reduces them: logs averaged,
+        predictions joined."""
+        if self.strategy.num_replicas_in_sync == 1:
+            return outputs
+
+        def reduce(value):
+            if not isinstance(value, tf.distribute.DistributedValues):
+                return value
+            parts = self.strategy.experimental_local_results(value)
+            if name == "predict":
+                return tf.concat(parts, axis=0)
+            return tf.reduce_mean(parts, axis=0)
+
+        return tf.nest.map_structure(reduce, outputs)
+
+    def _refusal_of(self, name: str, batch) -> str | None:
+        """Why `name` batches cannot be split exactly, or `None`."""
+        if name not in self._refusal:
+            self._refusal[name] = split_refusal(
+                self.model, batch, name, self.split_batch_norm
+            )
+        return self._refusal[name]
+
+    # Memory readings.
+
+    def _in_use(self):
+        readings = [
+            memory.memory_info(d, include_limit=False).current_bytes
+            for d in self.devices
+        ]
+        return None if None in readings else max(readings)
+
+    def _peak(self):
+        readings = [self.window.peak_bytes(d) for d in self.devices]
+        return None if None in readings else max(readings)
+
+
+def split_refusal(
+    model, batch, name: str = "train", split_batch_norm: bool = False
+) -> str | None:
+    """Why a batch of `model` cannot be split into micro-batches exactly,
+    or `None` when it can.
+
+    A model with its own `train_step` is split as calls of that step on
+    the pieces (see docs/oom-recovery.md), so only Keras' own steps are
+    checked: each loss must divide by the batch's rows (reduction
+    `"sum_over_batch_size"`, the default, or `"mean"`; or
+    `"mean_with_sample_weight"` on a batch without sample weights), the
+    outputs must carry no mask (a masked loss divides by the unmasked
+    steps), no `BatchNormalization` may train (unless `split_batch_norm`),
+    the model must not override `compute_loss`, and its update
+    must be traced (not `run_eagerly`) under no strategy or a
+    one-machine `MirroredStrategy`.
+    """
+    if name == "predict":
+        return None
+    own = type(model).train_step in _OWN_TRAIN_STEPS
+    if name == "train" and not own:
+        return None
+    if name == "train" and (
+        model.run_eagerly or tf.config.functions_run_eagerly()
+    ):
+        return (
+            "the model runs eagerly (`run_eagerly=True`), so its update "
+            "cannot wait for every micro-batch"
+        )
+    if name == "train" and not _strategy_can_split(model):
+        return (
+            f"the strategy {type(model.distribute_strategy).__name__} "
+            "cannot hold back its update"
+        )
+    if distribute.is_multi_worker(model.distribute_strategy):
+        return "a multi-worker job splits only through `tfmemsafe.fit`"
+    if name == "train" and not split_batch_norm:
+        for layer in _compat.nested_layers(model):
+            if isinstance(layer, keras.layers.BatchNormalization) and (
+                layer.trainable
+            ):
+                return (
+                    f"its layer {layer.name!r} normalizes each batch by the "
+                    "batch's own statistics, so micro-batches would be "
+                    "normalized otherwise (pass `split_batch_norm=True` to "
+                    "split all the same)"
+                )
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return "the model overrides `compute_loss`, whose reduction is unknown"
+    _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    for loss in tf.nest.flatten(model.loss):
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")
+        if reduction == "mean_with_sample_weight" and sample_weight is None:
+            continue
+        if reduction not in _MEAN_REDUCTIONS:
+            return (
+                f"the loss {getattr(loss, 'name', loss)!r} has "
+                f"reduction={reduction!r}, which does not average over the "
+                "batch's rows"
+            )
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    x = tf.nest.map_structure(lambda t: t[:1], _local(model, x))
+    outputs = model(x, training=False)
+    if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
+        return "the model's outputs carry a mask"
+    return None
+
+
+def _read(iterator, count: int) -> list:
+    """Up to `count` batches from `iterator`; raises `StopIteration` when
+    it has none (Keras' loop ends the epoch there)."""
+    batches = []
+    for _ in range(count):
+        try:
+            batch = next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if batches:
+                break
+            raise
+        batches.append(_without_optionals(batch))
+    return batches
+
+
+def _without_optionals(batch):
+    """Keras' data gives `None` parts as empty `tf.experimental.Optional`s;
+    its own step function maps them back to `None`, as here."""
+    return tf.nest.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t,
+        batch,
+    )
+
+
+def _local(model, batch):
+    """`batch`, or the first replica's share of it."""
+    strategy = model.distribute_strategy
+
+    def first(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(first, batch)
+
+
+def _rows(batch) -> int:
+    """The rows of `batch` (of its largest replica share)."""
+    for leaf in tf.nest.flatten(batch):
+        if leaf is None:
+            continue
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            parts = leaf.values if hasattr(leaf, "values") else (leaf,)
+            return max(int(tf.shape(part)[0]) for part in parts)
+        return int(tf.shape(leaf)[0])
+    raise ValueError("The batch holds no tensor.")
+
+
+def _slice(batch, start: int, end: int):
+    """Rows `start` to `end` of `batch` (of each replica's share, for a
+    batch of `tf.distribute` values: those rows of every share)."""
+
+    def cut(value):
+        if value is None:
+            return None
+        return value[start:end]
+
+    leaves = tf.nest.flatten(batch)
+    if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
+        raise ValueError(
+            "A model with its own `train_step` is split under a "
+            "`tf.distribute` strategy only by `SplitBatch`."
+        )
+    return tf.nest.map_structure(cut, batch)
+
+
+def _joined(outputs):
+    if len(outputs) == 1:
+        return outputs[0]
+    return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
+
+
+def _first_line(err) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if "OOM" in line or "memory" in line.lower():
+            return line.strip()
+    return lines[0].strip() if lines else type(err).__name__
+
+
+def _where(pending: dict) -> str:
+    return (
+        f"epoch {pending['epoch'] + 1}, {pending['phase']} step "
+        f"{pending['step']}"
+    )
+
+
+def _mib(num_bytes) -> str:
+    if num_bytes is None:
+        return "unknown"
+    return f"{np.asarray(num_bytes) / 2**20:.1f} MiB"

@@ -1,0 +1,144 @@
+"""How many rows each micro-batch of a held batch trains: `MicroBatchSize`.
+
+The counter of `SplitBatchOnOOM`, in the shape of Keras'
+`LossScaleOptimizer`, which halves its scale on a bad step and grows it
+after `dynamic_growth_steps` clean ones. Here the value is the rows of
+one micro-batch (`None`: the whole batch), and the steps it learns from
+are measured:
+
+- After a clean step on a device that keeps memory statistics, the peak
+  above what was in use before it, per micro-batch row, is kept.
+- After an out-of-memory error, the next size is the largest that this
+  measurement predicts to leave `memory.HEADROOM` of the limit free,
+  beside what is in use now: one error from a batch 8x too large, not
+  three. Without a measurement the first micro-batch is a probe of a
+  sixteenth of the rows that ran out, measured, and the rest of the batch
+  is sized from it. A size that ran out is a fact: nothing at or above
+  it is chosen again while as much memory is held as when it ran out.
+- After `grow_back_after` clean steps the size doubles, if the
+  measurement predicts the double to fit (or, without statistics, after
+  twice as many clean steps as the last grow-back that ran out).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tfmemsafe import memory
+
+# The probe's rows, as a fraction of the rows that ran out, when nothing
+# was measured yet.
+_PROBE_FRACTION = 16
+
+
+class MicroBatchSize:
+    """The rows of each micro-batch of one run, shrunk and grown back.
+
+    Args:
+        grow_back_after: int. Clean steps before the size doubles.
+        limit_bytes: int or `None`. The device's memory limit (`None`:
+            unknown, so nothing is predicted).
+    """
+
+    def __init__(self, grow_back_after: int, limit_bytes: int | None):
+        self.grow_back_after = grow_back_after
+        self.limit_bytes = limit_bytes
+        self.rows = None  # Rows of a micro-batch; `None`: the whole batch.
+        self.clean_steps = 0
+        self._bytes_per_row = None  # The last measurement's.
+        # Rows -> the bytes in use when a micro-batch of them ran out.
+        self._ran_out = {}
+        self._wait = grow_back_after  # Clean steps before a grow-back.
+        self._probe = None  # Rows of the next attempt's probe, if any.
+
+    def rows_for(self, rows: int) -> int:
+        """The rows of each micro-batch of a batch of `rows`."""
+        return rows if self.rows is None else max(1, min(rows, self.rows))
+
+    def probe_rows(self) -> int | None:
+        """The rows of the next split's first micro-batch, to be measured
+        before the others are sized; `None` when no probe is needed."""
+        return self._probe
+
+    def measured(self, rows: int, peak_bytes, in_use_bytes) -> None:
+        """Keeps a clean micro-batch's peak above what was in use before
+        it; the rest of a probed batch is sized from it."""
+        if peak_bytes is None or in_use_bytes is None or rows < 1:
+            return
+        self._bytes_per_row = max(peak_bytes - in_use_bytes, 0) / rows
+        if self._probe is not None and rows == self._probe:
+            self._probe = None
+            fitting = self._fitting_rows(in_use_bytes)
+            if fitting is not None:
+                self.rows = max(1, self._below_failures(fitting, in_use_bytes))
+
+    def trained(self) -> None:
+        """Counts a clean step."""
+        self.clean_steps += 1
+
+    def ran_out(self, rows: int, in_use_bytes) -> int | None:
+        """The micro-batch rows to try after micro-batches of `rows` ran
+        out with `in_use_bytes` in use; `None` when `rows` was 1."""
+        self.clean_steps = 0
+        if rows <= 1:
+            return None
+        held = self._ran_out.get(rows)
+        if held is None or in_use_bytes is None or in_use_bytes < held:
+            self._ran_out[rows] = in_use_bytes
+        fitting = self._fitting_rows(in_use_bytes)
+        if (
+            fitting is None
+            and in_use_bytes is not None
+            and (self._bytes_per_row is None)
+        ):
+            # Nothing measured yet: measure a small first piece.
+            self._probe = max(1, rows // _PROBE_FRACTION)
+            fitting = rows // 2
+        elif fitting is None or fitting >= rows:
+            fitting = rows // 2  # The prediction was wrong: halve.
+        self.rows = max(1, self._below_failures(fitting, in_use_bytes))
+        return self.rows
+
+    def grow_back_rows(self, in_use_bytes) -> int | None:
+        """The micro-batch rows to try on this step instead of the current
+        ones, or `None` to stay."""
+        if self.rows is None or self.clean_steps < self._wait:
+            return None
+        larger = 2 * self.rows
+        if self._below_failures(larger, in_use_bytes) < larger:
+            if in_use_bytes is not None:
+                return None  # It ran out beside no more than is held now.
+            # Nothing to compare: try, but twice as rarely each time.
+            self._wait *= 2
+        fitting = self._fitting_rows(in_use_bytes)
+        if fitting is not None and fitting < larger:
+            return None
+        self.clean_steps = 0
+        return larger
+
+    def grew_back(self, rows: int, batch_rows: int) -> None:
+        """Takes micro-batches of `rows` (of batches of `batch_rows`)."""
+        self.rows = None if rows >= batch_rows else rows
+
+    def _fitting_rows(self, in_use_bytes) -> int | None:
+        """The most rows predicted to leave the headroom free beside
+        `in_use_bytes`, or `None` when nothing predicts."""
+        if (
+            self._bytes_per_row is None
+            or self._bytes_per_row <= 0
+            or self.limit_bytes is None
+            or in_use_bytes is None
+        ):
+            return None
+        room = memory.usable_bytes(self.limit_bytes) - in_use_bytes
+        return max(0, math.floor(room / self._bytes_per_row))
+
+    def _below_failures(self, rows: int, in_use_bytes) -> int:
+        """`rows`, or less than the smallest size that ran out beside no
+        more memory in use than `in_use_bytes` (any, when unknown)."""
+        failed = [
+            size
+            for size, held in self._ran_out.items()
+            if held is None or in_use_bytes is None or held <= in_use_bytes
+        ]
+        return rows if not failed else min(rows, min(failed) - 1)

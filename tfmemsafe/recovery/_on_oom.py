@@ -1,0 +1,232 @@
+"""`SplitBatchOnOOM`: the Keras callback that recovers inside the step."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfmemsafe import distribute
+from tfmemsafe._model_state import gradient_accumulators_of
+from tfmemsafe._model_state import optimizers_of
+from tfmemsafe._step_guard import StepGuard
+from tfmemsafe.recovery._held_step import HeldSteps
+
+
+class SplitBatchOnOOM(keras.callbacks.Callback):
+    """Trains a batch that ran out of memory again as micro-batches.
+
+    Add it to the `callbacks` of `model.fit` (or `evaluate`, `predict`);
+    nothing else changes. Each step's batch is read from Keras' iterator
+    and held. When the step raises an out-of-memory error
+    (`tfmemsafe.is_oom_error`), the same batch is trained again as
+    micro-batches whose gradients, weighted by their rows, make one
+    update: the update the whole batch would have made, to rounding. The
+    batch size, the data pipeline and the epoch are untouched: nothing is
+    replayed or skipped, and callbacks see each batch once, in order.
+
+    How small the micro-batches are comes from measurement: the step's
+    peak memory per row (on a device that keeps memory statistics) and
+    what is in use now predict the largest micro-batch that leaves 10% of
+    the limit free, so a batch 8 times too large costs one error, not
+    three; with nothing measured yet the first micro-batch is a small
+    probe that sizes the rest. After `grow_back_after` clean steps the
+    micro-batches double, when the measured peak predicts that the double
+    fits beside what is held now; a size that ran out is not tried again
+    while as much memory is held as when it did.
+
+    Exactly split: Keras' own `train_step` (and `AccumulatingModel`'s,
+    whose window counts a split batch once), on one device or under a
+    `MirroredStrategy`, with every loss averaging over the batch's rows
+    (the default reduction `"sum_over_batch_size"`, or `"mean"`),
+    `sample_weight` and `class_weight` included. Not split, and stopped
+    with `tfmemsafe.OutOfMemoryError` saying why: a loss with reduction
+    `"sum"`, `None` or `"mean_with_sample_weight"` with sample weights,
+    outputs with a mask, an overridden `compute_loss`, `run_eagerly=True`,
+    and a `BatchNormalization` that trains (it normalizes each batch by
+    the batch's own statistics) unless `split_batch_norm=True`.
+    A model with its own `train_step` (a GAN) is split as calls of that
+    step on the micro-batches, each making its own update, as halving the
+    batch would. Evaluation sums its metrics over the micro-batches;
+    prediction joins their outputs.
+
+    An error inside the optimizer's update itself (after every gradient
+    exists) is not retried: the weights may be partly updated, and
+    `tfmemsafe.OutOfMemoryError` says so. A micro-batch of one example
+    that runs out raises it too.
+
+    Args:
+        grow_back_after: int. Clean steps before the micro-batches double.
+            Defaults to `100`.
+        split_batch_norm: bool. Whether to split a batch of a model whose
+            `BatchNormalization` layers train: each micro-batch is then
+            normalized by its own statistics and updates the moving ones,
+            as under any gradient accumulation, so the update is close to
+            the whole batch's but not the same. Defaults to `False`.
+
+    Attributes:
+        oom_events: list of `tfmemsafe.OOMEvent`, one per error recovered
+            from (`split_into` the micro-batches the batch ran again as).
+        grow_back_events: list of `tfmemsafe.GrowBackEvent`.
+
+    Example:
+    >>> model.fit(
+    ...     x, y, batch_size=512, epochs=3,
+    ...     callbacks=[tfmemsafe.SplitBatchOnOOM()],
+    ... )
+    """
+
+    def __init__(
+        self, grow_back_after: int = 100, split_batch_norm: bool = False
+    ):
+        super().__init__()
+        if (
+            not isinstance(grow_back_after, int)
+            or isinstance(grow_back_after, bool)
+            or grow_back_after < 1
+        ):
+            raise ValueError(
+                "`grow_back_after` must be an integer >= 1. Received: "
+                f"grow_back_after={grow_back_after!r}"
+            )
+        if not isinstance(split_batch_norm, bool):
+            raise ValueError(
+                "`split_batch_norm` must be a bool. Received: "
+                f"split_batch_norm={split_batch_norm!r}"
+            )
+        self.grow_back_after = grow_back_after
+        self.split_batch_norm = split_batch_norm
+        self.oom_events = []
+        self.grow_back_events = []
+        self._held = None
+        self._guard = None
+        self._keras_functions = {}
+        self._phases = []  # The open phases, outermost first.
+
+    # Installing and removing.
+
+    def _begin(self, phase: str) -> None:
+        """Holds the batches of `phase` (`"train"`, `"test"` or
+        `"predict"`), opening the run at its outermost phase."""
+        if not self._phases:
+            self._open()
+        self._phases.append(phase)
+        if self._held is None:
+            return
+        name = f"{phase}_function"
+        self._keras_functions[name] = getattr(self.model, name)
+        setattr(self.model, name, self._closing_on_error(phase))
+        self._held.in_fit = "train" in self._phases
+
+    def _end(self, phase: str) -> None:
+        if not self._phases or self._phases[-1] != phase:
+            return
+        self._phases.pop()
+        name = f"{phase}_function"
+        if name in self._keras_functions:
+            setattr(self.model, name, self._keras_functions.pop(name))
+        if not self._phases:
+            self._close()
+
+    def _open(self) -> None:
+        model = self.model
+        if distribute.is_multi_worker(model.distribute_strategy):
+            logging.warning(
+                "SplitBatchOnOOM does nothing under a multi-worker "
+                "strategy: use `tfmemsafe.fit`, whose workers agree on "
+                "each split."
+            )
+            return
+        if StepGuard.installed_on(model):
+            raise ValueError(
+                "SplitBatchOnOOM is already part of `tfmemsafe.fit`; pass "
+                "it to `model.fit`, or leave it out of `callbacks`."
+            )
+        self.oom_events = []
+        self.grow_back_events = []
+        training = model.optimizer is not None
+        self._guard = StepGuard(
+            model,
+            optimizers_of(model) if training else [],
+            gradient_accumulators_of(model) if training else [],
+        )
+        self._held = HeldSteps(
+            model, self._guard, self.grow_back_after, self.split_batch_norm
+        )
+
+    def _close(self) -> None:
+        if self._held is not None:
+            self.oom_events = self._held.oom_events
+            self.grow_back_events = self._held.grow_back_events
+        if self._guard is not None:
+            self._guard.close()
+        self._held = self._guard = None
+        for name, function in self._keras_functions.items():
+            setattr(self.model, name, function)
+        self._keras_functions = {}
+
+    def _closing_on_error(self, phase: str):
+        """The held `phase` function; an error out of it (past which Keras
+        calls no `on_*_end`) puts Keras' functions and the optimizers
+        back first. The end of the data is no error: Keras' loop stops
+        there."""
+        function = getattr(self._held, phase)
+
+        def held(data):
+            try:
+                return function(data)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise
+            except BaseException:
+                self._reset()
+                raise
+
+        return held
+
+    # Keras' hooks.
+
+    def on_train_begin(self, logs=None):
+        # A run that an error ended left its functions in place.
+        self._reset()
+        self._begin("train")
+
+    def on_train_end(self, logs=None):
+        self._end("train")
+
+    def on_test_begin(self, logs=None):
+        if not self._phases:
+            self._reset()
+        self._begin("test")
+
+    def on_test_end(self, logs=None):
+        self._end("test")
+
+    def on_predict_begin(self, logs=None):
+        if not self._phases:
+            self._reset()
+        self._begin("predict")
+
+    def on_predict_end(self, logs=None):
+        self._end("predict")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._held is not None:
+            self._held.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._held is not None:
+            self._held.step = batch
+
+    def on_test_batch_begin(self, batch, logs=None):
+        if self._held is not None:
+            self._held.step = batch
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        if self._held is not None:
+            self._held.step = batch
+
+    def _reset(self) -> None:
+        """Closes a run an error ended (Keras calls no `on_*_end` then)."""
+        if self._phases:
+            self._phases = []
+            self._close()
