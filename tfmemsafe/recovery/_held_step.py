@@ -44,6 +44,7 @@ _OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
 # axes), so that micro-batches weighted by their rows add up to it.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _PHASES = ("train", "test", "predict")
+_OPTIONALS = (tf.experimental.Optional, tf.OptionalSpec)
 # What an attempt that ran out returns (its micro-batches were made
 # smaller): no logs of any step are this object.
 _RAN_OUT = object()
@@ -93,6 +94,7 @@ class HeldSteps:
         # the batch.
         self._pieces = self._planned = 0
         self._pending = []
+        self._traced = set()  # The steps traced on the data's spec.
         self._steps = {
             name: tf.function(
                 lambda data, step=step: self.strategy.run(step, args=(data,)),
@@ -110,12 +112,14 @@ class HeldSteps:
 
     def train(self, iterator):
         """`model.train_function`: the next steps' batches, trained."""
+        self._trace_on("train", iterator)
         for batch in _read(iterator, self.model.steps_per_execution):
             logs = self._run("train", batch)
         return logs
 
     def test(self, iterator):
         """`model.test_function`: the next steps' batches, evaluated."""
+        self._trace_on("test", iterator)
         for batch in _read(iterator, self.model.steps_per_execution):
             logs = self._run("test", batch)
         return logs
@@ -127,6 +131,19 @@ class HeldSteps:
             self._run("predict", _without_optionals(batch)) for batch in batches
         ]
         return _joined(outputs)
+
+    def _trace_on(self, name: str, iterator) -> None:
+        """Traces the `name` step once for the data's own element spec,
+        as Keras traces its step on the iterator, before a batch of
+        known rows comes: what Keras reads from a batch's static shape
+        (the rows a multi-output model's per-output losses are averaged
+        by) is then what it reads under Keras' own step."""
+        if name in self._traced or self.strategy.num_replicas_in_sync > 1:
+            return
+        self._traced.add(name)
+        spec = getattr(iterator, "element_spec", None)
+        if spec is not None:
+            self._steps[name].get_concrete_function(_without_optionals(spec))
 
     # One batch.
 
@@ -194,11 +211,19 @@ class HeldSteps:
         split.begin(batch)
         try:
             if self.strategy.num_replicas_in_sync > 1:
+                # Equal pieces of every share; a probe's size sets them.
+                size = self.sizes["train"]
+                piece = size.probe_rows() or piece
                 pieces = min(math.ceil(rows / piece), split.most_pieces())
                 self._planned = pieces
                 for index in range(pieces):
+                    bounds = split.uniform_bounds(index, pieces)
+                    before = self._in_use()
+                    self.window.reset()
                     self._pieces += 1
-                    split.train_piece(split.uniform_bounds(index, pieces))
+                    split.train_piece(bounds)
+                    largest = max(end - start for start, end in bounds)
+                    size.measured(largest, self._peak(), before)
             else:
                 self._each_piece(
                     "train",
@@ -212,31 +237,44 @@ class HeldSteps:
     def _in_pieces(self, name: str, batch, rows: int, piece: int):
         """`batch` through the `name` step in slices, each its own call:
         metrics add up, predictions are joined, and a model's own
-        `train_step` makes its own update on each slice."""
+        `train_step` makes its own update on each slice. A slice that runs
+        out is tried again smaller; those before it stand."""
         outputs = self._each_piece(
             name,
             rows,
             lambda start, end: self._reduced(
                 name, self._steps[name](_slice(batch, start, end))
             ),
+            batch=batch,
         )
         return _joined(outputs) if name == "predict" else outputs[-1]
 
-    def _each_piece(self, name: str, rows: int, run) -> list:
+    def _each_piece(self, name: str, rows: int, run, batch=None) -> list:
         """`run(start, end)` for consecutive micro-batches of a batch of
         `rows`, each measured, sized by `MicroBatchSize` (after a probe,
-        if it asks for one); their results."""
+        if it asks for one); their results. Given the `batch`, a
+        micro-batch that runs out is run again smaller (each is a step of
+        its own); else the error ends the attempt."""
         size, start, results = self.sizes[name], 0, []
-        probe = size.probe_rows()
         while start < rows:
-            first = probe if start == 0 and probe else None
-            end = min(rows, start + (first or size.rows_for(rows)))
+            end = min(rows, start + (size.probe_rows() or size.rows_for(rows)))
             self._planned = self._pieces + 1
             self._planned += math.ceil((rows - end) / size.rows_for(rows))
+            if batch is not None:
+                self.guard.save_small_state()
             before = self._in_use()
             self.window.reset()
             self._pieces += 1
-            results.append(run(start, end))
+            try:
+                result = run(start, end)
+            except Exception as err:  # noqa: BLE001 (re-raised unless OOM)
+                if batch is None or not memory.is_oom_error(err):
+                    raise
+                self.guard.restore_small_state()
+                self._record_pending()
+                self._after_oom(name, err, batch, rows, end - start)
+                continue
+            results.append(result)
             size.measured(end - start, self._peak(), before)
             start = end
         return results
@@ -250,40 +288,41 @@ class HeldSteps:
 
     def _after_oom(self, name: str, err, batch, rows: int, piece: int):
         """Decides the next attempt after `err`, or raises."""
+        total = sum(_share_rows(batch))
         _refuse_xla_on_cpu(self.model, err)
         if self.guard.touched():
             raise OutOfMemoryError(
-                f"Out of memory inside the update of a batch of {rows} "
+                f"Out of memory inside the update of a batch of {total} "
                 "(every gradient existed; the optimizer had begun to change "
                 "the weights, so they may be partly updated). The step is "
                 "not retried. Instead, restart from the last checkpoint "
                 "(`keras.callbacks.BackupAndRestore`) with a smaller batch "
                 "or more free memory.",
-                tried_batch_sizes=(rows,),
+                tried_batch_sizes=(total,),
             ) from err
         refusal = self._refusal_of(name, batch)
         if refusal is not None:
             raise OutOfMemoryError(
-                f"A batch of {rows} ran out of memory and is not split into "
+                f"A batch of {total} ran out of memory and is not split into "
                 f"micro-batches: {refusal}, so their sum would not be the "
                 "batch's. Instead, use a smaller `batch_size`.",
-                tried_batch_sizes=(rows,),
+                tried_batch_sizes=(total,),
             ) from err
         smaller = self.sizes[name].ran_out(piece, self._in_use())
         if smaller is None:
             raise OutOfMemoryError(
-                f"A batch of {rows} ran out of memory even as micro-batches "
+                f"A batch of {total} ran out of memory even as micro-batches "
                 "of one example. Instead, try mixed precision, gradient "
                 "checkpointing (`tfmemsafe.checkpoint_blocks`), a frozen "
                 "backbone or a smaller model.",
-                tried_batch_sizes=(rows,),
+                tried_batch_sizes=(total,),
             ) from err
         pending = dict(
             epoch=self.epoch if self.epoch is not None else 0,
             step=self.step if self.step is not None else 0,
             phase=self._phase(name),
-            batch_size_before=rows,
-            batch_size_after=rows,
+            batch_size_before=total,
+            batch_size_after=total,
             accumulation_steps=accumulation_steps_of(self.model),
             error=_first_line(err),
             resumed_at_step=self.step,
@@ -294,7 +333,7 @@ class HeldSteps:
             "Out of memory, %s: the batch of %d runs again as micro-batches "
             "of %s%s.",
             _where(pending),
-            rows,
+            total,
             f"{smaller} rows"
             if probe is None
             else f"a size measured on a first one of {probe} rows",
@@ -426,7 +465,15 @@ def split_refusal(
             )
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     x = tf.nest.map_structure(lambda t: t[:1], _local(model, x))
-    outputs = model(x, training=False)
+    try:
+        outputs = model(x, training=False)
+    except Exception as err:  # noqa: BLE001 (re-raised unless an OOM)
+        if not memory.is_oom_error(err):
+            raise
+        return (
+            "one example's forward pass, which shows whether the outputs "
+            "carry a mask, ran out of memory"
+        )
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
         return "the model's outputs carry a mask"
     return None
@@ -451,8 +498,7 @@ def _without_optionals(batch):
     """Keras' data gives `None` parts as empty `tf.experimental.Optional`s;
     its own step function maps them back to `None`, as here."""
     return tf.nest.map_structure(
-        lambda t: None if isinstance(t, tf.experimental.Optional) else t,
-        batch,
+        lambda t: None if isinstance(t, _OPTIONALS) else t, batch
     )
 
 
@@ -468,16 +514,22 @@ def _local(model, batch):
     return tf.nest.map_structure(first, batch)
 
 
-def _rows(batch) -> int:
-    """The rows of `batch` (of its largest replica share)."""
+def _share_rows(batch) -> list:
+    """The rows of each replica's share of `batch` (one share unless it
+    is a batch of `tf.distribute` values)."""
     for leaf in tf.nest.flatten(batch):
         if leaf is None:
             continue
         if isinstance(leaf, tf.distribute.DistributedValues):
-            parts = leaf.values if hasattr(leaf, "values") else (leaf,)
-            return max(int(tf.shape(part)[0]) for part in parts)
-        return int(tf.shape(leaf)[0])
+            return [int(tf.shape(part)[0]) for part in leaf.values]
+        return [int(tf.shape(leaf)[0])]
     raise ValueError("The batch holds no tensor.")
+
+
+def _rows(batch) -> int:
+    """The rows of `batch`'s largest replica share: what micro-batches
+    are sized in."""
+    return max(_share_rows(batch))
 
 
 def _slice(batch, start: int, end: int):

@@ -45,7 +45,8 @@ class MicroBatchSize:
         self.limit_bytes = limit_bytes
         self.rows = None  # Rows of a micro-batch; `None`: the whole batch.
         self.clean_steps = 0
-        self._bytes_per_row = None  # The last measurement's.
+        # Rows -> the peak above what was in use, last measured at them.
+        self._above = {}
         # Rows -> the bytes in use when a micro-batch of them ran out.
         self._ran_out = {}
         self._wait = grow_back_after  # Clean steps before a grow-back.
@@ -63,11 +64,13 @@ class MicroBatchSize:
     def measured(self, rows: int, peak_bytes, in_use_bytes) -> None:
         """Keeps a clean micro-batch's peak above what was in use before
         it; the rest of a probed batch is sized from it."""
+        probed = self._probe is not None and rows <= self._probe
+        if probed:
+            self._probe = None
         if peak_bytes is None or in_use_bytes is None or rows < 1:
             return
-        self._bytes_per_row = max(peak_bytes - in_use_bytes, 0) / rows
-        if self._probe is not None and rows == self._probe:
-            self._probe = None
+        self._above[rows] = max(peak_bytes - in_use_bytes, 0)
+        if probed:
             fitting = self._fitting_rows(in_use_bytes)
             if fitting is not None:
                 self.rows = max(1, self._below_failures(fitting, in_use_bytes))
@@ -86,11 +89,7 @@ class MicroBatchSize:
         if held is None or in_use_bytes is None or in_use_bytes < held:
             self._ran_out[rows] = in_use_bytes
         fitting = self._fitting_rows(in_use_bytes)
-        if (
-            fitting is None
-            and in_use_bytes is not None
-            and (self._bytes_per_row is None)
-        ):
+        if fitting is None and in_use_bytes is not None and not self._above:
             # Nothing measured yet: measure a small first piece.
             self._probe = max(1, rows // _PROBE_FRACTION)
             fitting = rows // 2
@@ -123,15 +122,33 @@ class MicroBatchSize:
     def _fitting_rows(self, in_use_bytes) -> int | None:
         """The most rows predicted to leave the headroom free beside
         `in_use_bytes`, or `None` when nothing predicts."""
-        if (
-            self._bytes_per_row is None
-            or self._bytes_per_row <= 0
-            or self.limit_bytes is None
-            or in_use_bytes is None
-        ):
+        line = self._line()
+        if line is None or self.limit_bytes is None or in_use_bytes is None:
             return None
-        room = memory.usable_bytes(self.limit_bytes) - in_use_bytes
-        return max(0, math.floor(room / self._bytes_per_row))
+        fixed, per_row = line
+        room = memory.usable_bytes(self.limit_bytes) - in_use_bytes - fixed
+        return max(0, math.floor(room / per_row))
+
+    def _line(self):
+        """`(fixed, per_row)` bytes above what is in use, from the
+        measurements: through the two largest sizes measured when they
+        are at least twice apart (two close readings give a slope of
+        noise), else all of it per row (an over-estimate, the safe
+        side); `None` when nothing grows with the rows."""
+        sizes = sorted(self._above, reverse=True)
+        if not sizes:
+            return None
+        large = sizes[0]
+        small = next((r for r in sizes if 2 * r <= large), None)
+        if small is not None:
+            per_row = (self._above[large] - self._above[small]) / (
+                large - small
+            )
+            if per_row > 0:
+                return self._above[large] - per_row * large, per_row
+        if self._above[large] <= 0:
+            return None
+        return 0.0, self._above[large] / large
 
     def _below_failures(self, rows: int, in_use_bytes) -> int:
         """`rows`, or less than the smallest size that ran out beside no

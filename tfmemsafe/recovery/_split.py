@@ -81,6 +81,7 @@ class SplitBatch:
         # The open split (`begin` to `close`): each replica's share of
         # its batch, the compiled micro-batch step and its last logs.
         self._shares, self._step, self._logs = [], None, None
+        self._pieces_traced = False
         self._sums = {}  # id(variable) -> its weighted gradient sum.
         self._total = None  # The micro-batches' weights, summed.
         self._size = None  # Their sizes, for a window closed by size.
@@ -239,6 +240,7 @@ class SplitBatch:
         # Compiled whole, `strategy.run` inside, as Keras compiles its
         # step (a compiled function run per GPU replica could not
         # `merge_call`, which an `AccumulatingModel`'s step does).
+        self._pieces_traced = False
         self._step = tf.function(
             lambda piece: self.strategy.run(self._micro_batch, args=(piece,)),
             reduce_retracing=True,
@@ -275,8 +277,13 @@ class SplitBatch:
             tf.errors.ResourceExhaustedError: It ran out; the split's sums
                 are then unusable (`close` it).
         """
+        piece = self._piece(bounds)
         with self.guard.deferring(update_name(self.model), self._defer):
-            logs, parts = self._step(self._piece(bounds))
+            if self._replicas == 1 and not self._pieces_traced:
+                # Traced for any rows, as Keras traces its own step.
+                self._step.get_concrete_function(_any_rows(piece))
+                self._pieces_traced = True
+            logs, parts = self._step(piece)
         for key, part in zip(self._sparse_ids, parts, strict=True):
             self._sparse.setdefault(key, []).append(part)
         self._logs = logs
@@ -494,12 +501,13 @@ def _replica_shares(batch, strategy, replicas: int) -> list:
     each replica of a batch of that size."""
     leaves = tf.nest.flatten(batch)
     if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
-        local = tf.nest.map_structure(
-            strategy.experimental_local_results, batch
-        )
+        local = [
+            None if t is None else strategy.experimental_local_results(t)
+            for t in leaves
+        ]
         return [
-            tf.nest.map_structure_up_to(
-                batch, lambda parts, r=r: parts[r], local
+            tf.nest.pack_sequence_as(
+                batch, [None if parts is None else parts[r] for parts in local]
             )
             for r in range(replicas)
         ]
@@ -507,6 +515,16 @@ def _replica_shares(batch, strategy, replicas: int) -> list:
         return [batch]
     cuts = _shares(_rows(batch), replicas)
     return [_slice(batch, cuts[r], cuts[r + 1]) for r in range(replicas)]
+
+
+def _any_rows(batch):
+    """The spec of `batch` with any number of rows."""
+    return tf.nest.map_structure(
+        lambda t: (
+            None if t is None else tf.TensorSpec([None, *t.shape[1:]], t.dtype)
+        ),
+        batch,
+    )
 
 
 def _rows(batch) -> int:

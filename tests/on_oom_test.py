@@ -1,0 +1,751 @@
+"""Tests of `tfmemsafe.SplitBatchOnOOM` in plain `model.fit`, `evaluate`
+and `predict`.
+
+Most tests run out of memory at once, from inside the compiled step, with
+`_models.RunsOutAbove` (a batch of more than some rows raises the
+allocator's error); `RealCapTest` runs the same under a capped allocator
+in child processes.
+"""
+
+import csv
+import os
+import tempfile
+
+import _models
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfmemsafe
+from tfmemsafe import testing
+from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
+
+_ROWS = 200
+_MIB = 2**20
+
+
+def _features(rows=_ROWS, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    return x, y
+
+
+def _classifier(
+    runs_out_above=None,
+    loss=None,
+    regularized=False,
+    batch_norm=False,
+    accumulation_steps=None,
+    optimizer=None,
+    **compile_kwargs,
+):
+    """6 -> 16 (ReLU) -> 3 logits, seeded; the first layer a
+    `RunsOutAbove(runs_out_above)`."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = _models.RunsOutAbove(runs_out_above)(inputs)
+    regularizer = keras.regularizers.L2(1e-2) if regularized else None
+    hidden = keras.layers.Dense(
+        16,
+        activation="relu",
+        kernel_regularizer=regularizer,
+        activity_regularizer=regularizer,
+    )(hidden)
+    if batch_norm:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    outputs = keras.layers.Dense(3)(hidden)
+    if accumulation_steps is None:
+        model = keras.Model(inputs, outputs)
+    else:
+        model = tfmemsafe.AccumulatingModel(
+            inputs, outputs, accumulation_steps=accumulation_steps
+        )
+    model.compile(
+        optimizer or keras.optimizers.Adam(1e-2),
+        loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_kwargs,
+    )
+    return model
+
+
+def _two_outputs(runs_out_above=None):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = _models.RunsOutAbove(runs_out_above)(inputs)
+    hidden = keras.layers.Dense(16, activation="relu")(hidden)
+    model = keras.Model(
+        inputs,
+        {
+            "classes": keras.layers.Dense(3, name="classes")(hidden),
+            "value": keras.layers.Dense(1, name="value")(hidden),
+        },
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        loss={
+            "classes": keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True
+            ),
+            "value": "mse",
+        },
+        loss_weights={"classes": 1.0, "value": 0.5},
+    )
+    return model
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        part = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[part], self.y[part]
+
+
+def _generator(x, y, batch_size):
+    while True:
+        for start in range(0, len(x), batch_size):
+            end = start + batch_size
+            yield x[start:end], y[start:end]
+
+
+def _fit_arguments(kind, x, y, batch_size, **extra):
+    """`model.fit` keyword arguments giving `x, y` as `kind` of data."""
+    if kind == "arrays":
+        return dict(x=x, y=y, batch_size=batch_size, shuffle=False, **extra)
+    if kind == "tensors":
+        return dict(
+            x=tf.constant(x),
+            y=tf.constant(y),
+            batch_size=batch_size,
+            shuffle=False,
+            **extra,
+        )
+    if kind == "dataset":
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+        return dict(x=data, **extra)
+    if kind == "py_dataset":
+        return dict(x=_Batches(x, y, batch_size), **extra)
+    if kind == "generator":
+        steps = -(-len(x) // batch_size)
+        return dict(
+            x=_generator(x, y, batch_size), steps_per_epoch=steps, **extra
+        )
+    raise ValueError(kind)
+
+
+class _Batches_seen(keras.callbacks.Callback):
+    """Records every callback call with its epoch or batch."""
+
+    def on_train_begin(self, logs=None):
+        self.calls = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(("epoch_begin", epoch))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(("batch_begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch_end", batch, round(float(logs["loss"]), 5)))
+
+    def on_test_begin(self, logs=None):
+        self.calls.append(("test_begin",))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch, sorted(logs)))
+
+
+class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
+    """A split batch makes the whole batch's update, to rounding."""
+
+    def _compare(self, build, fit_kwargs, runs_out_above=20, inexact=()):
+        reference = build(None)
+        expected = reference.fit(verbose=0, **fit_kwargs()).history
+        model = build(runs_out_above)
+        split = tfmemsafe.SplitBatchOnOOM()
+        history = model.fit(verbose=0, callbacks=[split], **fit_kwargs())
+        self.assertNotEmpty(split.oom_events)
+        self.assertAllClose(
+            reference.get_weights(), model.get_weights(), atol=1e-6
+        )
+        self.assertEqual(expected.keys(), history.history.keys())
+        for name, values in expected.items():
+            if name not in inexact:
+                self.assertAllClose(values, history.history[name], atol=1e-5)
+        return model, split
+
+    @parameterized.named_parameters(
+        ("arrays", "arrays"),
+        ("tensors", "tensors"),
+        ("dataset", "dataset"),
+        ("py_dataset", "py_dataset"),
+        ("generator", "generator"),
+    )
+    def test_every_data_kind_matches_the_whole_batch(self, kind):
+        x, y = _features()
+        _, split = self._compare(
+            _classifier, lambda: _fit_arguments(kind, x, y, 64, epochs=2)
+        )
+        event = split.oom_events[0]
+        self.assertEqual(
+            (event.epoch, event.step, event.phase), (0, 0, "training")
+        )
+        self.assertEqual(event.batch_size_after, 64)
+        self.assertGreater(event.split_into, 1)
+
+    @parameterized.named_parameters(
+        ("sample_weight", dict(sample_weight=True)),
+        ("class_weight", dict(class_weight={0: 1.0, 1: 2.0, 2: 0.5})),
+        ("validation_split", dict(validation_split=0.25, validation_freq=2)),
+        ("initial_epoch", dict(initial_epoch=1)),
+    )
+    def test_fit_arguments_match_the_whole_batch(self, extra):
+        x, y = _features()
+        if extra.pop("sample_weight", False):
+            extra["sample_weight"] = np.linspace(0.1, 2.0, _ROWS)
+        self._compare(
+            _classifier,
+            lambda: _fit_arguments("arrays", x, y, 64, epochs=3, **extra),
+        )
+
+    @parameterized.named_parameters(
+        ("mean", dict(reduction="mean")),
+        (
+            "mean_with_sample_weight_unweighted",
+            dict(reduction="mean_with_sample_weight"),
+        ),
+    )
+    def test_averaging_reductions_match_the_whole_batch(self, loss_kwargs):
+        x, y = _features()
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, **loss_kwargs
+        )
+        self._compare(
+            lambda rows: _classifier(rows, loss=loss),
+            lambda: _fit_arguments("arrays", x, y, 64, epochs=2),
+        )
+
+    def test_regularization_matches_the_whole_batch(self):
+        x, y = _features()
+        self._compare(
+            lambda rows: _classifier(rows, regularized=True),
+            lambda: _fit_arguments("arrays", x, y, 64, epochs=2),
+        )
+
+    def test_multi_output_losses_match_the_whole_batch(self):
+        x, y = _features()
+        targets = {"classes": y, "value": x[:, :1]}
+        # Keras averages each output's own loss log over the calls of its
+        # step, unweighted: a split batch's micro-batches count as calls
+        # there (docs/oom-recovery.md). The total loss is exact.
+        self._compare(
+            _two_outputs,
+            lambda: dict(x=x, y=targets, batch_size=64, shuffle=False),
+            inexact=("classes_loss", "value_loss"),
+        )
+
+    def test_loss_scale_optimizer_matches_the_whole_batch(self):
+        x, y = _features()
+        self._compare(
+            lambda rows: _classifier(
+                rows,
+                optimizer=keras.optimizers.LossScaleOptimizer(
+                    keras.optimizers.Adam(1e-2)
+                ),
+            ),
+            lambda: _fit_arguments("arrays", x, y, 64, epochs=2),
+        )
+
+    def test_steps_per_execution_matches_the_whole_batch(self):
+        x, y = _features()
+        model, _ = self._compare(
+            lambda rows: _classifier(rows, steps_per_execution=4),
+            lambda: _fit_arguments("arrays", x, y, 16, epochs=2),
+            runs_out_above=10,
+        )
+        self.assertEqual(int(model.optimizer.iterations), 2 * 13)
+
+    def test_accumulating_model_counts_a_split_batch_once(self):
+        x, y = _features()
+        model, _ = self._compare(
+            lambda rows: _classifier(rows, accumulation_steps=2),
+            lambda: _fit_arguments("arrays", x, y, 64, epochs=2),
+        )
+        # 4 batches an epoch, windows of 2: 2 updates an epoch.
+        self.assertEqual(int(model.optimizer.iterations), 4)
+
+    def test_sparse_embedding_gradients_match_the_whole_batch(self):
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(1, 50, size=(_ROWS, 7)).astype("int32")
+        y = (tokens[:, 0] > 25).astype("int32")
+
+        def build(rows):
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [
+                    keras.Input((7,), dtype="int32"),
+                    _models.RunsOutAbove(rows),
+                    keras.layers.Embedding(50, 8),
+                    keras.layers.GlobalAveragePooling1D(),
+                    keras.layers.Dense(2),
+                ]
+            )
+            model.compile(
+                keras.optimizers.Adam(1e-2),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+            return model
+
+        self._compare(
+            build, lambda: _fit_arguments("arrays", tokens, y, 64, epochs=2)
+        )
+
+    def test_evaluate_and_predict_match_the_whole_batch(self):
+        x, y = _features()
+        reference = _classifier(None)
+        model = _classifier(20)
+        split = tfmemsafe.SplitBatchOnOOM()
+        self.assertAllClose(
+            reference.evaluate(x, y, batch_size=64, verbose=0),
+            model.evaluate(x, y, batch_size=64, verbose=0, callbacks=[split]),
+            atol=1e-6,
+        )
+        self.assertEqual(split.oom_events[0].phase, "evaluation")
+        self.assertAllClose(
+            reference.predict(x, batch_size=64, verbose=0),
+            model.predict(x, batch_size=64, verbose=0, callbacks=[split]),
+            atol=1e-6,
+        )
+        self.assertEqual(split.oom_events[0].phase, "prediction")
+
+
+class _CountsExamples(keras.layers.Layer):
+    """Counts, in training, how often each example id (input column 0)
+    went through it."""
+
+    def __init__(self, examples, **kwargs):
+        super().__init__(**kwargs)
+        self.examples = examples
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(
+            shape=(self.examples,), initializer="zeros", trainable=False
+        )
+
+    def call(self, inputs, training=False):
+        if training:
+            ids = tf.cast(inputs[:, 0], tf.int32)
+            self.seen.assign_add(
+                tf.math.bincount(
+                    ids,
+                    minlength=self.examples,
+                    maxlength=self.examples,
+                    dtype=self.seen.dtype,
+                )
+            )
+        return inputs[:, 1:]
+
+
+def _counting_model(examples, runs_out_above):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((7,)),
+            _models.RunsOutAbove(runs_out_above),
+            _CountsExamples(examples),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+class EveryExampleOnceTest(parameterized.TestCase, tf.test.TestCase):
+    """Each example is trained once per epoch, as `model.fit` trains it."""
+
+    def _seen(self, data, epochs, runs_out_above, **fit_kwargs):
+        model = _counting_model(256, runs_out_above)
+        split = tfmemsafe.SplitBatchOnOOM()
+        model.fit(
+            data, epochs=epochs, verbose=0, callbacks=[split], **fit_kwargs
+        )
+        if runs_out_above is not None:
+            self.assertNotEmpty(split.oom_events)
+        return model.layers[1].seen.numpy()
+
+    def _rows(self):
+        x, y = _features(256)
+        ids = np.arange(256, dtype="float32")[:, None]
+        return tf.data.Dataset.from_tensor_slices((np.hstack([ids, x]), y))
+
+    @parameterized.named_parameters(("no_oom", None), ("split", 8))
+    def test_steps_per_epoch_keeps_one_iterator_across_epochs(self, rows):
+        data = self._rows().batch(16).repeat()
+        seen = self._seen(data, 4, rows, steps_per_epoch=4)
+        self.assertAllEqual(seen, np.ones(256))
+
+    def test_a_shuffle_buffer_smaller_than_the_data(self):
+        data = self._rows().shuffle(64, seed=1).batch(16)
+        self.assertAllEqual(self._seen(data, 2, 8), np.full(256, 2.0))
+
+    def test_a_random_augmentation_with_a_split(self):
+        def augment(features, label):
+            noise = tf.random.uniform(tf.shape(features[1:]), -0.1, 0.1)
+            return tf.concat([features[:1], features[1:] + noise], 0), label
+
+        data = self._rows().map(augment).batch(32)
+        self.assertAllEqual(self._seen(data, 2, 8), np.full(256, 2.0))
+
+
+class AccumulationWindowTest(tf.test.TestCase):
+    def test_unknown_length_makes_the_updates_of_known_length(self):
+        x, y = _features(192)
+        known = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+        unknown = known.filter(lambda *_: True)
+        self.assertEqual(unknown.cardinality(), tf.data.UNKNOWN_CARDINALITY)
+        iterations = []
+        for data in (known, unknown):
+            model = _classifier(20, accumulation_steps=3)
+            model.fit(
+                data,
+                epochs=2,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM()],
+            )
+            iterations.append(int(model.optimizer.iterations))
+        self.assertEqual(iterations, [4, 4])
+
+
+class CallbacksTest(tf.test.TestCase):
+    def test_callbacks_see_each_batch_once_in_order(self):
+        x, y = _features()
+        recorders = [_Batches_seen(), _Batches_seen()]
+        for recorder, rows in zip(recorders, (None, 20), strict=True):
+            _classifier(rows).fit(
+                x,
+                y,
+                batch_size=64,
+                epochs=2,
+                validation_split=0.2,
+                shuffle=False,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM(), recorder],
+            )
+        self.assertEqual(recorders[0].calls, recorders[1].calls)
+
+    def test_keras_callbacks_work_as_without_an_oom(self):
+        x, y = _features()
+        rows = []
+        for runs_out_above in (None, 20):
+            with tempfile.TemporaryDirectory() as directory:
+                log = os.path.join(directory, "log.csv")
+                _classifier(runs_out_above).fit(
+                    x,
+                    y,
+                    batch_size=64,
+                    epochs=4,
+                    validation_split=0.2,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=[
+                        tfmemsafe.SplitBatchOnOOM(),
+                        keras.callbacks.CSVLogger(log),
+                        keras.callbacks.EarlyStopping(patience=1),
+                        keras.callbacks.ReduceLROnPlateau(patience=1),
+                        keras.callbacks.ModelCheckpoint(
+                            os.path.join(directory, "best.keras")
+                        ),
+                        keras.callbacks.BackupAndRestore(
+                            os.path.join(directory, "backup")
+                        ),
+                        tfmemsafe.MemoryMonitor(),
+                    ],
+                )
+                with open(log) as f:
+                    rows.append(
+                        [
+                            {
+                                k: round(float(v), 4)
+                                for k, v in row.items()
+                                if not k.startswith("memory")
+                            }
+                            for row in csv.DictReader(f)
+                        ]
+                    )
+                self.assertTrue(
+                    os.path.exists(os.path.join(directory, "best.keras"))
+                )
+        self.assertEqual(rows[0], rows[1])
+
+
+class RefusedTest(parameterized.TestCase, tf.test.TestCase):
+    """What cannot be split exactly stops with `OutOfMemoryError`, saying
+    why, the model as before the batch."""
+
+    def _refused(self, model, pattern, **fit_kwargs):
+        x, y = _features()
+        fit_kwargs = {"x": x, "y": y, "batch_size": 64, **fit_kwargs}
+        before = model.get_weights()
+        with self.assertRaisesRegex(tfmemsafe.OutOfMemoryError, pattern):
+            model.fit(
+                shuffle=False,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM()],
+                **fit_kwargs,
+            )
+        self.assertAllClose(before, model.get_weights())
+        # Keras' own step is back: a batch that fits trains.
+        model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+
+    def test_sum_reduction(self):
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum"
+        )
+        self._refused(_classifier(20, loss=loss), "reduction='sum'")
+
+    def test_mean_with_sample_weight_and_sample_weights(self):
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"
+        )
+        self._refused(
+            _classifier(20, loss=loss),
+            "mean_with_sample_weight",
+            sample_weight=np.linspace(0.1, 2.0, _ROWS),
+        )
+
+    def test_batch_normalization(self):
+        self._refused(_classifier(20, batch_norm=True), "normalizes each")
+
+    def test_run_eagerly(self):
+        self._refused(_classifier(20, run_eagerly=True), "runs eagerly")
+
+    def test_masked_outputs(self):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                _models.RunsOutAbove(20),
+                keras.layers.Reshape((6, 1)),
+                keras.layers.Masking(0.0),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile("adam", "mse")
+        x, _ = _features()
+        before = model.get_weights()
+        with self.assertRaisesRegex(tfmemsafe.OutOfMemoryError, "mask"):
+            model.fit(
+                x,
+                np.zeros((_ROWS, 6, 3)),
+                batch_size=64,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM()],
+            )
+        self.assertAllClose(before, model.get_weights())
+
+    def test_batch_normalization_split_when_asked(self):
+        x, y = _features()
+        model = _classifier(20, batch_norm=True)
+        split = tfmemsafe.SplitBatchOnOOM(split_batch_norm=True)
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[split])
+        self.assertNotEmpty(split.oom_events)
+
+    def test_a_micro_batch_of_one_that_runs_out(self):
+        model = _classifier(0)
+        x, y = _features()
+        with self.assertRaisesRegex(tfmemsafe.OutOfMemoryError, "one example"):
+            model.fit(
+                x,
+                y,
+                batch_size=64,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM()],
+            )
+
+    def test_other_errors_pass_through(self):
+        keras.utils.set_random_seed(0)
+
+        class Fails(keras.layers.Layer):
+            def call(self, inputs):
+                tf.debugging.assert_less(tf.reduce_max(inputs), -100.0)
+                return inputs
+
+        model = keras.Sequential(
+            [keras.Input((6,)), Fails(), keras.layers.Dense(3)]
+        )
+        model.compile("adam", "mse")
+        x, _ = _features()
+        with self.assertRaises(tf.errors.InvalidArgumentError):
+            model.fit(
+                x,
+                np.zeros((_ROWS, 3)),
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM()],
+            )
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "`grow_back_after` must"):
+            tfmemsafe.SplitBatchOnOOM(grow_back_after=0)
+        with self.assertRaisesRegex(ValueError, "`split_batch_norm` must"):
+            tfmemsafe.SplitBatchOnOOM(split_batch_norm="yes")
+
+
+class _TwoOptimizers(keras.Model):
+    """A GAN-shaped model: its own `train_step` makes two updates, each
+    with an optimizer of its own."""
+
+    def __init__(self, runs_out_above):
+        super().__init__(name="two_optimizers")
+        self.guard = _models.RunsOutAbove(runs_out_above)
+        self.first = keras.layers.Dense(4)
+        self.second = keras.layers.Dense(1)
+        self.first_optimizer = keras.optimizers.SGD(1e-2)
+        self.second_optimizer = keras.optimizers.SGD(1e-2)
+        self.rows_seen = keras.metrics.Sum(name="rows_seen")
+
+    def call(self, inputs):
+        return self.second(self.first(self.guard(inputs)))
+
+    def train_step(self, data):
+        x, y = data
+        for optimizer, layer in (
+            (self.first_optimizer, self.first),
+            (self.second_optimizer, self.second),
+        ):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x) - y))
+            gradients = tape.gradient(loss, layer.trainable_variables)
+            optimizer.apply(gradients, layer.trainable_variables)
+        self.rows_seen.update_state(tf.cast(tf.shape(x)[0], tf.float32))
+        return {"loss": loss, "rows_seen": self.rows_seen.result()}
+
+    @property
+    def metrics(self):
+        return [self.rows_seen]
+
+
+class CustomTrainStepTest(tf.test.TestCase):
+    def test_each_micro_batch_is_a_call_of_the_models_own_step(self):
+        x, _ = _features()
+        y = x[:, :1]
+        model = _TwoOptimizers(20)
+        model.build((None, 6))
+        model.compile()
+        split = tfmemsafe.SplitBatchOnOOM()
+        history = model.fit(
+            x, y, batch_size=64, verbose=0, shuffle=False, callbacks=[split]
+        )
+        self.assertNotEmpty(split.oom_events)
+        # Every row once; each micro-batch its own two updates.
+        self.assertEqual(history.history["rows_seen"], [_ROWS])
+        calls = int(model.first_optimizer.iterations)
+        self.assertEqual(int(model.second_optimizer.iterations), calls)
+        self.assertGreaterEqual(calls, 3 * 2 + 1)
+
+
+class MirroredStrategyTest(tf.test.TestCase):
+    def test_split_under_two_replicas_matches_the_whole_batch(self):
+        result = testing.run_in_subprocess(_mirrored_split)
+        self.assertNotEmpty(result["events"])
+        self.assertAllClose(result["reference"], result["split"], atol=1e-6)
+
+
+def _mirrored_split():
+    strategy = _models.mirrored_on_two_cpus()
+    x, y = _features()
+    weights, events = [], []
+    for rows in (None, 10):
+        with strategy.scope():
+            model = _classifier(rows)
+        split = tfmemsafe.SplitBatchOnOOM()
+        model.fit(
+            x,
+            y,
+            batch_size=64,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[split],
+        )
+        weights.append([w.tolist() for w in model.get_weights()])
+        events = [str(event) for event in split.oom_events]
+    return {"reference": weights[0], "split": weights[1], "events": events}
+
+
+class MicroBatchSizeTest(tf.test.TestCase):
+    """The counter's decisions, from measurements given to it."""
+
+    def test_halves_without_statistics(self):
+        size = MicroBatchSize(grow_back_after=2, limit_bytes=None)
+        self.assertEqual(size.rows_for(64), 64)
+        self.assertEqual(size.ran_out(64, None), 32)
+        self.assertIsNone(size.probe_rows())
+        self.assertEqual(size.ran_out(32, None), 16)
+        self.assertIsNone(size.ran_out(1, None))
+
+    def test_a_batch_8x_too_large_costs_one_error(self):
+        size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
+        # Nothing measured: a probe of a sixteenth, then sized from it.
+        size.ran_out(1024, 100 * _MIB)
+        self.assertEqual(size.probe_rows(), 64)
+        size.measured(64, 100 * _MIB + 64 * _MIB, 100 * _MIB)
+        self.assertIsNone(size.probe_rows())
+        # 900 MiB usable, 100 in use: 800 rows of 1 MiB.
+        self.assertEqual(size.rows_for(1024), 800)
+
+    def test_jumps_by_a_measured_line(self):
+        size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
+        size.measured(32, 150 * _MIB + 32 * _MIB, 100 * _MIB)  # 50 fixed.
+        size.measured(128, 150 * _MIB + 128 * _MIB, 100 * _MIB)
+        # (900 - 100 - 50) MiB at 1 MiB a row.
+        self.assertEqual(size.ran_out(1024, 100 * _MIB), 750)
+
+    def test_never_chooses_a_size_that_ran_out_beside_as_much(self):
+        size = MicroBatchSize(1, limit_bytes=1000 * _MIB)
+        size.measured(100, 200 * _MIB, 100 * _MIB)  # 1 MiB a row.
+        # Predicted to fit, 512 ran out: the prediction is wrong, halve.
+        self.assertEqual(size.ran_out(512, 100 * _MIB), 256)
+        size.trained()
+        # 512 is predicted to fit, but ran out beside 100 MiB.
+        self.assertIsNone(size.grow_back_rows(100 * _MIB))
+        # With less held than when it ran out, it is tried.
+        self.assertEqual(size.grow_back_rows(50 * _MIB), 512)
+
+    def test_grows_back_after_clean_steps_when_predicted_to_fit(self):
+        size = MicroBatchSize(3, limit_bytes=1000 * _MIB)
+        size.measured(64, 164 * _MIB, 100 * _MIB)
+        size.ran_out(1024, 700 * _MIB)  # Something held 600 MiB more.
+        self.assertEqual(size.rows, 200)
+        for _ in range(3):
+            self.assertIsNone(size.grow_back_rows(700 * _MIB))
+            size.trained()
+        self.assertIsNone(size.grow_back_rows(700 * _MIB))  # 400 won't fit.
+        self.assertEqual(size.grow_back_rows(100 * _MIB), 400)
+
+    def test_without_statistics_a_failed_grow_back_waits_twice_as_long(self):
+        size = MicroBatchSize(2, limit_bytes=None)
+        size.ran_out(64, None)
+        size.trained()
+        size.trained()
+        self.assertEqual(size.grow_back_rows(None), 64)
+        size.ran_out(64, None)  # Still does not fit.
+        for _ in range(3):
+            size.trained()
+            self.assertIsNone(size.grow_back_rows(None))
+        size.trained()
+        self.assertEqual(size.grow_back_rows(None), 64)
+
+
+if __name__ == "__main__":
+    tf.test.main()
