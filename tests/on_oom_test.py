@@ -7,6 +7,7 @@ allocator's error); `RealCapTest` runs the same under a capped allocator
 in child processes.
 """
 
+import concurrent.futures
 import csv
 import os
 import tempfile
@@ -745,6 +746,208 @@ class MicroBatchSizeTest(tf.test.TestCase):
             self.assertIsNone(size.grow_back_rows(None))
         size.trained()
         self.assertEqual(size.grow_back_rows(None), 64)
+
+
+# Under a capped allocator (`RealCapTest`): a conv net whose batch of
+# 1024 32x32 images runs out of the cap and whose micro-batches fit.
+_CAP_MB = 150
+_IMAGES = 2048
+_BATCH = 1024
+
+
+def _images():
+    x = np.random.default_rng(0).normal(size=(_IMAGES, 32, 32, 3))
+    x = x.astype("float32")
+    means = x.mean(axis=(1, 2))
+    y = (means[:, 0] > 0).astype("int32") + 2 * (means[:, 1] > 0)
+    return x, y
+
+
+def _conv_net(accumulation_steps=None):
+    if accumulation_steps is None:
+        return testing.reference_model("conv_net", (32, 32, 3), metrics=None)
+    model = _models.worker_conv_net()
+    model.accumulation_steps = accumulation_steps
+    return model
+
+
+def _listed(model):
+    return [w.tolist() for w in model.get_weights()]
+
+
+def _capped_fit(kinds, accumulation_steps=None, callback=True):
+    """`model.fit` of the conv net on each kind of data in `kinds`, with
+    `SplitBatchOnOOM` (or not): the weights, events and calls seen."""
+    x, y = _images()
+    results = {}
+    for kind in kinds:
+        model = _conv_net(accumulation_steps)
+        split = tfmemsafe.SplitBatchOnOOM()
+        recorder = _Batches_seen()
+        model.fit(
+            verbose=0,
+            callbacks=[split, recorder] if callback else [recorder],
+            **_fit_arguments(kind, x, y, _BATCH, epochs=2),
+        )
+        results[kind] = {
+            "weights": _listed(model),
+            "events": [str(event) for event in split.oom_events],
+            "calls": [list(call) for call in recorder.calls],
+        }
+    return results
+
+
+def _capped_mirrored(callback=True):
+    strategy = _models.mirrored_on_two_cpus()
+    x, y = _images()
+    with strategy.scope():
+        model = _conv_net()
+    split = tfmemsafe.SplitBatchOnOOM()
+    model.fit(
+        x,
+        y,
+        batch_size=_BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[split] if callback else [],
+    )
+    return {
+        "weights": _listed(model),
+        "events": [str(event) for event in split.oom_events],
+    }
+
+
+def _capped_one_example_too_many():
+    """A model one example of which does not fit: 16 rows run out, and so
+    does one."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(4),
+            # 256 MiB a row, and no weight of that size.
+            keras.layers.Lambda(
+                lambda t: tf.reduce_mean(
+                    tf.tile(t, [1, 16 * 2**20]), axis=1, keepdims=True
+                )
+            ),
+        ]
+    )
+    model.compile("adam", "mse")
+    x = np.ones((16, 32), "float32")
+    before = _listed(model)
+    try:
+        model.fit(
+            x,
+            np.zeros((16, 1)),
+            batch_size=16,
+            verbose=0,
+            callbacks=[tfmemsafe.SplitBatchOnOOM()],
+        )
+    except tfmemsafe.OutOfMemoryError as err:
+        return {
+            "error": str(err),
+            "cause": type(err.__cause__).__name__,
+            "unchanged": before == _listed(model),
+        }
+    return {"error": None}
+
+
+class RealCapTest(tf.test.TestCase):
+    """A real `ResourceExhaustedError` from a capped CPU allocator, in
+    plain `model.fit` with the callback; beside the same runs uncapped
+    without it."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # Side by side, each in its own process: most of their time is
+        # the allocator's ten-second waits, which need no CPU.
+        capped = {
+            "arrays": (_capped_fit, (["arrays", "py_dataset"],)),
+            "dataset": (_capped_fit, (["dataset", "generator"],)),
+            "accumulating": (_capped_fit, (["arrays"], 2)),
+            "mirrored": (_capped_mirrored, ()),
+            "too_big": (_capped_one_example_too_many, ()),
+        }
+        uncapped = {
+            "reference": (
+                _capped_fit,
+                (["arrays", "py_dataset", "dataset", "generator"], None, False),
+            ),
+            "reference_accumulating": (_capped_fit, (["arrays"], 2, False)),
+            "reference_mirrored": (_capped_mirrored, (False,)),
+        }
+        cls._pool = concurrent.futures.ThreadPoolExecutor(
+            len(capped) + len(uncapped)
+        )
+        cls._results = {
+            name: cls._pool.submit(
+                testing.run_with_memory_cap, target, _CAP_MB, args=args
+            )
+            for name, (target, args) in capped.items()
+        }
+        cls._results.update(
+            {
+                name: cls._pool.submit(
+                    testing.run_in_subprocess, target, args=args
+                )
+                for name, (target, args) in uncapped.items()
+            }
+        )
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._pool.shutdown(wait=True)
+        super().tearDownClass()
+
+    def result(self, name):
+        return self._results[name].result()
+
+    def _matches_the_reference(self, result, reference):
+        self.assertNotEmpty(result["events"], msg=result["events"])
+        self.assertIn("micro-batches for one update", result["events"][0])
+        for got, expected in zip(
+            result["weights"], reference["weights"], strict=True
+        ):
+            self.assertAllClose(expected, got, atol=1e-5, rtol=1e-4)
+
+    def test_every_data_kind_recovers_to_the_whole_batchs_weights(self):
+        reference = self.result("reference")
+        for name, kinds in (
+            ("arrays", ("arrays", "py_dataset")),
+            ("dataset", ("dataset", "generator")),
+        ):
+            result = self.result(name)
+            for kind in kinds:
+                with self.subTest(kind=kind):
+                    self._matches_the_reference(result[kind], reference[kind])
+                    # Each callback call once, as without running out.
+                    self.assertEqual(
+                        [call[:2] for call in result[kind]["calls"]],
+                        [call[:2] for call in reference[kind]["calls"]],
+                    )
+
+    def test_accumulating_model_recovers_to_the_whole_batchs_weights(self):
+        self._matches_the_reference(
+            self.result("accumulating")["arrays"],
+            self.result("reference_accumulating")["arrays"],
+        )
+
+    def test_mirrored_strategy_recovers_to_the_whole_batchs_weights(self):
+        self._matches_the_reference(
+            self.result("mirrored"), self.result("reference_mirrored")
+        )
+
+    def test_one_example_that_runs_out_stops_with_the_model_unchanged(self):
+        result = self.result("too_big")
+        self.assertIsNotNone(result["error"])
+        self.assertIn("even as micro-batches of one example", result["error"])
+        # Keras raises from `fit` with `from None`: the allocator's error
+        # is named in the message.
+        self.assertIn("OOM when allocating", result["error"])
+        self.assertTrue(result["unchanged"])
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ class FitDecisionsTest(parameterized.TestCase, tf.test.TestCase):
         x, y = _models.table()
         with self.assertRaisesRegex(
             ValueError,
-            "Data cardinality is ambiguous: the arrays of `data` must all "
+            "Data cardinality is ambiguous: the arrays of `x` must all "
             "hold the same number of samples. Received: x sizes: 256, y "
             "sizes: 200",
         ):

@@ -8,12 +8,16 @@ rooms a decision passes through.
 
 from __future__ import annotations
 
+import collections.abc
+import types
 from collections.abc import Sequence
 
 import keras
+import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
+from tfmemsafe import _pipelines
 from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe import memory
@@ -29,6 +33,7 @@ from tfmemsafe.history import OOMEvent
 from tfmemsafe.history import fit_history_of
 from tfmemsafe.recovery import _backup
 from tfmemsafe.recovery._batch_search import find_max_batch_size
+from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
 from tfmemsafe.recovery._planner import SizePlanner
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import VALIDATION
@@ -37,31 +42,53 @@ from tfmemsafe.recovery._policy import accumulation_steps_of
 from tfmemsafe.recovery._runner import FitRun
 from tfmemsafe.recovery._settings import FitSettings
 
-# `model.fit` arguments that `tfmemsafe.fit` takes in its own way.
-_DATA_ARGUMENTS = ("x", "y", "sample_weight")
-
 
 def fit(
     model: keras.Model,
-    data,
-    *,
+    x=None,
+    y=None,
     batch_size: int | str | None = None,
     epochs: int = 1,
+    verbose="auto",
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    validation_split: float = 0.0,
     validation_data=None,
+    shuffle: bool = True,
+    class_weight=None,
+    sample_weight=None,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
+    *,
     min_batch_size: int = 1,
     keep_effective_batch_size: bool = True,
     max_retries: int | None = None,
     preflight: bool = True,
     memory_estimate: bool = True,
     grow_back_after: int | None = 100,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    verbose="auto",
-    **fit_kwargs,
+    split_batch_norm: bool = False,
 ) -> FitHistory:
-    """Trains a compiled model, halving the batch when memory runs out.
+    """Trains a compiled model as `model.fit` does, surviving running out
+    of memory.
 
-    Works like `model.fit`. When a step, or the validation at the end of an
-    epoch, raises an out-of-memory error (`tfmemsafe.is_oom_error`), it:
+    Takes `model.fit`'s arguments, in `model.fit`'s order, and the kinds
+    of data it takes. How it recovers depends on the data:
+
+    - A `keras.utils.PyDataset`, a Python generator or iterator, or any
+      data with `steps_per_epoch`: `model.fit` with
+      `tfmemsafe.SplitBatchOnOOM` in its callbacks. A batch that runs out
+      is trained again, in the same step, as micro-batches whose
+      gradients make one update; the batch size, the data pipeline and
+      the epoch are untouched (see `SplitBatchOnOOM`).
+    - Arrays (`x` and `y`, or a tuple `(x, y[, sample_weight])` as `x`),
+      a `tf.data.Dataset`, or a callable `batch_size -> tf.data.Dataset`:
+      the batch size shrinks, as below.
+
+    When a step, or the validation at the end of an epoch, raises an
+    out-of-memory error (`tfmemsafe.is_oom_error`) on data of the second
+    kind, it:
 
     1. logs one line: the epoch, the step, the batch size before and after
        and the accumulation steps (see 3 for the size after);
@@ -122,11 +149,14 @@ def fit(
 
     Args:
         model: A compiled `keras.Model`.
-        data: The training data: a callable `batch_size -> tf.data.Dataset`
-            (your pipeline, rebuilt at each new batch size), an unbatched
-            `tf.data.Dataset` (batched and prefetched here), a batched
-            `tf.data.Dataset` (rebatched), or a tuple `(x, y)` or
-            `(x, y, sample_weight)` of arrays.
+        x: The training data: arrays or tensors (with `y`), a tuple
+            `(x, y)` or `(x, y, sample_weight)` of arrays, a callable
+            `batch_size -> tf.data.Dataset` (your pipeline, rebuilt at each
+            new batch size), an unbatched `tf.data.Dataset` (batched and
+            prefetched here), a batched `tf.data.Dataset` (rebatched), a
+            `keras.utils.PyDataset`, or a generator or iterator of
+            batches.
+        y: The targets, with arrays or tensors as `x`.
         batch_size: int, `"auto"` or `None`. The (global) batch size to
             start at. `"auto"` uses `find_max_batch_size` (and no
             pre-flight check: its size was tried); for an unbatched
@@ -140,8 +170,14 @@ def fit(
             needs one.
         epochs: int. The number of epochs; with `initial_epoch`, the
             epoch to stop at, as in `model.fit`. Defaults to 1.
-        validation_data: Validation data of any kind `data` accepts.
-            Defaults to `None`.
+        verbose: `"auto"`, 0, 1 or 2, as in `model.fit`.
+        callbacks: list of `keras.callbacks.Callback`. Passed to every
+            attempt, `tfmemsafe.MemoryMonitor`s first so that the callbacks
+            after them see `memory_peak_mb` in the epoch logs.
+        validation_split, validation_data, shuffle, class_weight,
+        sample_weight, initial_epoch, steps_per_epoch, validation_steps,
+        validation_batch_size, validation_freq: As in `model.fit`;
+            `validation_data` may also be of any kind `x` accepts.
         min_batch_size: int. The smallest batch size to try. Defaults
             to 1.
         keep_effective_batch_size: bool. Whether to double the model's
@@ -167,13 +203,9 @@ def fit(
             twice in the epoch). `None` never grows back. It needs the
             memory estimate, and is off on a multi-worker job and for
             examples batched by length buckets. Defaults to 100.
-        callbacks: list of `keras.callbacks.Callback`. Passed to every
-            attempt, `tfmemsafe.MemoryMonitor`s first so that the callbacks
-            after them see `memory_peak_mb` in the epoch logs.
-        verbose: `"auto"`, 0, 1 or 2, as in `model.fit`.
-        **fit_kwargs: Other `model.fit` arguments (`initial_epoch`,
-            `steps_per_epoch`, `validation_batch_size`, `validation_steps`,
-            `validation_freq`, `shuffle`, `class_weight`, ...).
+        split_batch_norm: bool. For the in-step split: whether a model
+            whose `BatchNormalization` trains is split all the same (see
+            `SplitBatchOnOOM`). Defaults to `False`.
 
     Returns:
         A `tfmemsafe.FitHistory`: a `keras.callbacks.History` with one
@@ -189,30 +221,76 @@ def fit(
             then put back in the state of the last completed epoch (or of
             the start), which the message names. The original error is
             chained as `__cause__`.
-        TypeError: If `data` or `validation_data` is of no accepted kind.
+        TypeError: If `x` or `validation_data` is of no accepted kind.
         ValueError: If an argument is out of range.
 
     Any error that is not an out-of-memory error, and `KeyboardInterrupt`,
     propagates at once, unchanged.
 
     Example:
-    >>> history = tfmemsafe.fit(model, (x, y), batch_size=1024, epochs=3)
+    >>> history = tfmemsafe.fit(model, x, y, batch_size=1024, epochs=3)
     >>> [event.batch_size_after for event in history.oom_events]
     [512]
     """
     _checks.compiled_model(model, "fit")
     _checks.integer("epochs", epochs, 1)
     _checks.retry_limits(min_batch_size, max_retries)
-    for name in _DATA_ARGUMENTS:
-        if name in fit_kwargs:
-            raise TypeError(
-                f"`{name}` is not an argument of `tfmemsafe.fit`: pass the "
-                "inputs, targets and sample weights together as `data`, "
-                "e.g. data=(x, y, sample_weight). "
-                f"Received: {name}={fit_kwargs[name]!r:.60}"
+    callbacks = _checks.callbacks(callbacks)
+    model_fit_arguments = dict(
+        batch_size=batch_size,
+        epochs=epochs,
+        verbose=verbose,
+        validation_split=validation_split,
+        validation_data=validation_data,
+        shuffle=shuffle,
+        class_weight=class_weight,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
+        validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq,
+    )
+    if _in_step_only(x, steps_per_epoch):
+        if batch_size == "auto" and not _is_iterable_only(x):
+            batch_size = find_max_batch_size(
+                model, x if y is None else (x, y), memory_estimate=True
             )
+            logging.info(
+                "tfmemsafe.fit: batch_size='auto' chose %d.", batch_size
+            )
+            model_fit_arguments["batch_size"] = batch_size
+        return _fit_in_step(
+            model,
+            x,
+            y,
+            sample_weight,
+            callbacks,
+            grow_back_after=grow_back_after,
+            split_batch_norm=split_batch_norm,
+            **model_fit_arguments,
+        )
+    data = x
+    if y is not None or sample_weight is not None:
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+        data = parts
+    # What `model.fit` defaults to is left to it.
+    defaults = dict(
+        validation_split=0.0,
+        shuffle=True,
+        class_weight=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+    )
+    fit_kwargs = {
+        name: model_fit_arguments[name]
+        for name, default in defaults.items()
+        if model_fit_arguments[name] != default
+    }
     strategy = model.distribute_strategy
-    train_source = source_for(data, "data", labelled=True, strategy=strategy)
+    train_source = source_for(data, "x", labelled=True, strategy=strategy)
     validation_source = None
     if validation_data is not None:
         validation_source = source_for(
@@ -268,7 +346,7 @@ def fit(
         # The epoch snapshot builds the optimizer: the model's variables
         # must exist by then (a subclassed model makes them in its call).
         model(train_source.sample_inputs(), training=False)
-    return run(model, settings, _checks.callbacks(callbacks))
+    return run(model, settings, callbacks)
 
 
 def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
@@ -356,6 +434,80 @@ def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
         ).train()
     finally:
         guard.close()
+
+
+def _in_step_only(x, steps_per_epoch) -> bool:
+    """Whether `x` trains only in `model.fit`'s own loop: data that
+    cannot be batched again (a `PyDataset`, a generator or iterator), or
+    `steps_per_epoch`, with which `model.fit` keeps one iterator across
+    epochs."""
+    return _is_iterable_only(x) or steps_per_epoch is not None
+
+
+def _is_iterable_only(x) -> bool:
+    """Whether `x` is data only Keras' own loop reads: a `PyDataset`, or
+    a generator or iterator."""
+    return isinstance(
+        x,
+        (
+            keras.utils.PyDataset,
+            types.GeneratorType,
+            collections.abc.Iterator,
+        ),
+    )
+
+
+def _fit_in_step(
+    model,
+    x,
+    y,
+    sample_weight,
+    callbacks,
+    *,
+    grow_back_after,
+    split_batch_norm,
+    **model_fit_arguments,
+) -> FitHistory:
+    """`model.fit` with `SplitBatchOnOOM`: a batch that runs out is split
+    in its step. A callable `batch_size -> dataset` is called once, and
+    an unbatched dataset batched, at the batch size."""
+    batch_size = model_fit_arguments.pop("batch_size")
+    if batch_size == "auto":
+        raise ValueError(
+            "`batch_size='auto'` needs data that can be batched again "
+            "(arrays, a tf.data.Dataset or a callable). Received: x of "
+            f"type {type(x).__name__}"
+        )
+    trained_at = batch_size
+    if callable(x) and not isinstance(x, keras.utils.PyDataset):
+        trained_at = batch_size or 32
+        x, batch_size = x(trained_at), None
+    elif isinstance(x, tf.data.Dataset):
+        batched, size = _pipelines.batching_of(x)
+        if not batched:
+            trained_at = batch_size or 32
+            x, batch_size = x.batch(trained_at).prefetch(1), None
+        else:
+            trained_at = size
+    split = SplitBatchOnOOM(
+        grow_back_after=grow_back_after,
+        split_batch_norm=split_batch_norm,
+    )
+    history = fit_history_of(callbacks)
+    if history not in callbacks:
+        callbacks = [history, *callbacks]
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        sample_weight=sample_weight,
+        callbacks=[*callbacks, split],
+        **model_fit_arguments,
+    )
+    history.oom_events.extend(split.oom_events)
+    history.grow_back_events.extend(split.grow_back_events)
+    history.batch_size = trained_at
+    return history
 
 
 def _varies_in_length(source) -> bool:

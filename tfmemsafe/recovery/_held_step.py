@@ -20,6 +20,7 @@ moving statistics, seed states) is copied before each step.
 from __future__ import annotations
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -56,13 +57,18 @@ class HeldSteps:
     Args:
         model: The compiled `keras.Model`.
         guard: The run's `StepGuard`.
-        grow_back_after: int. Clean steps before micro-batches grow back.
+        grow_back_after: int or `None`. Clean steps before micro-batches
+            grow back; `None`: never.
         split_batch_norm: bool. Whether a model whose `BatchNormalization`
             trains is split all the same.
     """
 
     def __init__(
-        self, model, guard, grow_back_after: int, split_batch_norm: bool
+        self,
+        model,
+        guard,
+        grow_back_after: int | None,
+        split_batch_norm: bool,
     ):
         self.model = model
         self.split_batch_norm = split_batch_norm
@@ -297,25 +303,30 @@ class HeldSteps:
                 "the weights, so they may be partly updated). The step is "
                 "not retried. Instead, restart from the last checkpoint "
                 "(`keras.callbacks.BackupAndRestore`) with a smaller batch "
-                "or more free memory.",
+                f"or more free memory. The error: {_first_line(err)}",
                 tried_batch_sizes=(total,),
             ) from err
-        refusal = self._refusal_of(name, batch)
+        try:
+            refusal = self._refusal_of(name, batch)
+        except Exception as probe_error:  # noqa: BLE001 (re-raised unless OOM)
+            if not memory.is_oom_error(probe_error):
+                raise
+            # One example's forward pass ran out: so would any micro-batch.
+            raise OutOfMemoryError(
+                _one_example(total, probe_error), tried_batch_sizes=(total,)
+            ) from probe_error
         if refusal is not None:
             raise OutOfMemoryError(
                 f"A batch of {total} ran out of memory and is not split into "
                 f"micro-batches: {refusal}, so their sum would not be the "
-                "batch's. Instead, use a smaller `batch_size`.",
+                "batch's. Instead, use a smaller `batch_size`. The error: "
+                f"{_first_line(err)}",
                 tried_batch_sizes=(total,),
             ) from err
         smaller = self.sizes[name].ran_out(piece, self._in_use())
         if smaller is None:
             raise OutOfMemoryError(
-                f"A batch of {total} ran out of memory even as micro-batches "
-                "of one example. Instead, try mixed precision, gradient "
-                "checkpointing (`tfmemsafe.checkpoint_blocks`), a frozen "
-                "backbone or a smaller model.",
-                tried_batch_sizes=(total,),
+                _one_example(total, err), tried_batch_sizes=(total,)
             ) from err
         pending = dict(
             epoch=self.epoch if self.epoch is not None else 0,
@@ -465,15 +476,7 @@ def split_refusal(
             )
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     x = tf.nest.map_structure(lambda t: t[:1], _local(model, x))
-    try:
-        outputs = model(x, training=False)
-    except Exception as err:  # noqa: BLE001 (re-raised unless an OOM)
-        if not memory.is_oom_error(err):
-            raise
-        return (
-            "one example's forward pass, which shows whether the outputs "
-            "carry a mask, ran out of memory"
-        )
+    outputs = model(x, training=False)
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
         return "the model's outputs carry a mask"
     return None
@@ -556,8 +559,18 @@ def _joined(outputs):
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
 
 
+def _one_example(rows: int, err) -> str:
+    return (
+        f"A batch of {rows} ran out of memory even as micro-batches of one "
+        "example. Instead, try mixed precision, gradient checkpointing "
+        "(`tfmemsafe.checkpoint_blocks`), a frozen backbone or a smaller "
+        f"model. The error: {_first_line(err)}"
+    )
+
+
 def _first_line(err) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' bold.
+    lines = [line for line in text.splitlines() if line.strip()]
     for line in lines:
         if "OOM" in line or "memory" in line.lower():
             return line.strip()

@@ -35,12 +35,13 @@ class MicroBatchSize:
     """The rows of each micro-batch of one run, shrunk and grown back.
 
     Args:
-        grow_back_after: int. Clean steps before the size doubles.
+        grow_back_after: int or `None`. Clean steps before the size
+            doubles; `None`: never.
         limit_bytes: int or `None`. The device's memory limit (`None`:
             unknown, so nothing is predicted).
     """
 
-    def __init__(self, grow_back_after: int, limit_bytes: int | None):
+    def __init__(self, grow_back_after: int | None, limit_bytes: int | None):
         self.grow_back_after = grow_back_after
         self.limit_bytes = limit_bytes
         self.rows = None  # Rows of a micro-batch; `None`: the whole batch.
@@ -101,7 +102,11 @@ class MicroBatchSize:
     def grow_back_rows(self, in_use_bytes) -> int | None:
         """The micro-batch rows to try on this step instead of the current
         ones, or `None` to stay."""
-        if self.rows is None or self.clean_steps < self._wait:
+        if (
+            self.rows is None
+            or self._wait is None
+            or self.clean_steps < self._wait
+        ):
             return None
         larger = 2 * self.rows
         if self._below_failures(larger, in_use_bytes) < larger:

@@ -56,8 +56,8 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     that runs out raises it too.
 
     Args:
-        grow_back_after: int. Clean steps before the micro-batches double.
-            Defaults to `100`.
+        grow_back_after: int or `None`. Clean steps before the
+            micro-batches double; `None` never. Defaults to `100`.
         split_batch_norm: bool. Whether to split a batch of a model whose
             `BatchNormalization` layers train: each micro-batch is then
             normalized by its own statistics and updates the moving ones,
@@ -77,17 +77,17 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, grow_back_after: int = 100, split_batch_norm: bool = False
+        self, grow_back_after: int | None = 100, split_batch_norm: bool = False
     ):
         super().__init__()
-        if (
+        if grow_back_after is not None and (
             not isinstance(grow_back_after, int)
             or isinstance(grow_back_after, bool)
             or grow_back_after < 1
         ):
             raise ValueError(
-                "`grow_back_after` must be an integer >= 1. Received: "
-                f"grow_back_after={grow_back_after!r}"
+                "`grow_back_after` must be an integer >= 1 or `None`. "
+                f"Received: grow_back_after={grow_back_after!r}"
             )
         if not isinstance(split_batch_norm, bool):
             raise ValueError(
