@@ -328,6 +328,59 @@ class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(split.oom_events[0].phase, "prediction")
 
 
+class FitTest(parameterized.TestCase, tf.test.TestCase):
+    """`tfmemsafe.fit` takes `model.fit`'s arguments and data."""
+
+    def test_takes_model_fits_arguments_in_its_order(self):
+        x, y = _features()
+        history = tfmemsafe.fit(_classifier(), x, y, 64, 2, 0)
+        self.assertIsInstance(history, tfmemsafe.FitHistory)
+        self.assertLen(history.history["loss"], 2)
+        self.assertEqual(history.batch_size, 64)
+
+    @parameterized.named_parameters(
+        ("py_dataset", "py_dataset"), ("generator", "generator")
+    )
+    def test_data_only_keras_reads_is_split_in_the_step(self, kind):
+        x, y = _features()
+        reference = _classifier(None)
+        reference.fit(verbose=0, **_fit_arguments(kind, x, y, 64, epochs=2))
+        model = _classifier(20)
+        history = tfmemsafe.fit(
+            model, verbose=0, **_fit_arguments(kind, x, y, 64, epochs=2)
+        )
+        self.assertNotEmpty(history.oom_events)
+        self.assertTrue(all(e.split_into for e in history.oom_events))
+        self.assertAllClose(
+            reference.get_weights(), model.get_weights(), atol=1e-6
+        )
+
+    def test_steps_per_epoch_trains_every_example_once(self):
+        x, y = _features(256)
+        ids = np.arange(256, dtype="float32")[:, None]
+        data = tf.data.Dataset.from_tensor_slices((np.hstack([ids, x]), y))
+        model = _counting_model(256, 8)
+        history = tfmemsafe.fit(
+            model,
+            data.batch(16).repeat(),
+            epochs=4,
+            steps_per_epoch=4,
+            verbose=0,
+        )
+        self.assertNotEmpty(history.oom_events)
+        self.assertAllEqual(model.layers[1].seen.numpy(), np.ones(256))
+
+    def test_auto_batch_size_on_a_generator_is_refused(self):
+        x, y = _features()
+        with self.assertRaisesRegex(ValueError, "`batch_size='auto'` needs"):
+            tfmemsafe.fit(
+                _classifier(),
+                _generator(x, y, 64),
+                batch_size="auto",
+                steps_per_epoch=2,
+            )
+
+
 class _CountsExamples(keras.layers.Layer):
     """Counts, in training, how often each example id (input column 0)
     went through it."""

@@ -8,16 +8,12 @@ rooms a decision passes through.
 
 from __future__ import annotations
 
-import collections.abc
-import types
 from collections.abc import Sequence
 
 import keras
-import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
-from tfmemsafe import _pipelines
 from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe import memory
@@ -33,7 +29,9 @@ from tfmemsafe.history import OOMEvent
 from tfmemsafe.history import fit_history_of
 from tfmemsafe.recovery import _backup
 from tfmemsafe.recovery._batch_search import find_max_batch_size
-from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
+from tfmemsafe.recovery._on_oom import fit_in_step
+from tfmemsafe.recovery._on_oom import in_step_only
+from tfmemsafe.recovery._on_oom import is_iterable_only
 from tfmemsafe.recovery._planner import SizePlanner
 from tfmemsafe.recovery._policy import TRAINING
 from tfmemsafe.recovery._policy import VALIDATION
@@ -68,7 +66,7 @@ def fit(
     preflight: bool = True,
     memory_estimate: bool = True,
     grow_back_after: int | None = 100,
-    split_batch_norm: bool = False,
+    split_batch_norm: bool = True,
 ) -> FitHistory:
     """Trains a compiled model as `model.fit` does, surviving running out
     of memory.
@@ -205,7 +203,9 @@ def fit(
             examples batched by length buckets. Defaults to 100.
         split_batch_norm: bool. For the in-step split: whether a model
             whose `BatchNormalization` trains is split all the same (see
-            `SplitBatchOnOOM`). Defaults to `False`.
+            `SplitBatchOnOOM`). Defaults to `True`: each micro-batch is
+            normalized by its own statistics, as each smaller batch is
+            when the batch shrinks.
 
     Returns:
         A `tfmemsafe.FitHistory`: a `keras.callbacks.History` with one
@@ -250,8 +250,8 @@ def fit(
         validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )
-    if _in_step_only(x, steps_per_epoch):
-        if batch_size == "auto" and not _is_iterable_only(x):
+    if in_step_only(x, steps_per_epoch):
+        if batch_size == "auto" and not is_iterable_only(x):
             batch_size = find_max_batch_size(
                 model, x if y is None else (x, y), memory_estimate=True
             )
@@ -259,7 +259,7 @@ def fit(
                 "tfmemsafe.fit: batch_size='auto' chose %d.", batch_size
             )
             model_fit_arguments["batch_size"] = batch_size
-        return _fit_in_step(
+        return fit_in_step(
             model,
             x,
             y,
@@ -434,80 +434,6 @@ def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
         ).train()
     finally:
         guard.close()
-
-
-def _in_step_only(x, steps_per_epoch) -> bool:
-    """Whether `x` trains only in `model.fit`'s own loop: data that
-    cannot be batched again (a `PyDataset`, a generator or iterator), or
-    `steps_per_epoch`, with which `model.fit` keeps one iterator across
-    epochs."""
-    return _is_iterable_only(x) or steps_per_epoch is not None
-
-
-def _is_iterable_only(x) -> bool:
-    """Whether `x` is data only Keras' own loop reads: a `PyDataset`, or
-    a generator or iterator."""
-    return isinstance(
-        x,
-        (
-            keras.utils.PyDataset,
-            types.GeneratorType,
-            collections.abc.Iterator,
-        ),
-    )
-
-
-def _fit_in_step(
-    model,
-    x,
-    y,
-    sample_weight,
-    callbacks,
-    *,
-    grow_back_after,
-    split_batch_norm,
-    **model_fit_arguments,
-) -> FitHistory:
-    """`model.fit` with `SplitBatchOnOOM`: a batch that runs out is split
-    in its step. A callable `batch_size -> dataset` is called once, and
-    an unbatched dataset batched, at the batch size."""
-    batch_size = model_fit_arguments.pop("batch_size")
-    if batch_size == "auto":
-        raise ValueError(
-            "`batch_size='auto'` needs data that can be batched again "
-            "(arrays, a tf.data.Dataset or a callable). Received: x of "
-            f"type {type(x).__name__}"
-        )
-    trained_at = batch_size
-    if callable(x) and not isinstance(x, keras.utils.PyDataset):
-        trained_at = batch_size or 32
-        x, batch_size = x(trained_at), None
-    elif isinstance(x, tf.data.Dataset):
-        batched, size = _pipelines.batching_of(x)
-        if not batched:
-            trained_at = batch_size or 32
-            x, batch_size = x.batch(trained_at).prefetch(1), None
-        else:
-            trained_at = size
-    split = SplitBatchOnOOM(
-        grow_back_after=grow_back_after,
-        split_batch_norm=split_batch_norm,
-    )
-    history = fit_history_of(callbacks)
-    if history not in callbacks:
-        callbacks = [history, *callbacks]
-    model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        sample_weight=sample_weight,
-        callbacks=[*callbacks, split],
-        **model_fit_arguments,
-    )
-    history.oom_events.extend(split.oom_events)
-    history.grow_back_events.extend(split.grow_back_events)
-    history.batch_size = trained_at
-    return history
 
 
 def _varies_in_length(source) -> bool:

@@ -22,30 +22,28 @@ from __future__ import annotations
 import math
 import re
 
-import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmemsafe import _compat
-from tfmemsafe import distribute
 from tfmemsafe import memory
-from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.history import OOMEvent
+from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
+from tfmemsafe.recovery._exact_split import split_refusal
+from tfmemsafe.recovery._held_batches import joined
+from tfmemsafe.recovery._held_batches import read
+from tfmemsafe.recovery._held_batches import rows_of
+from tfmemsafe.recovery._held_batches import share_rows
+from tfmemsafe.recovery._held_batches import sliced
+from tfmemsafe.recovery._held_batches import without_optionals
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
 from tfmemsafe.recovery._policy import accumulation_steps_of
 from tfmemsafe.recovery._retry import _refuse_xla_on_cpu
 from tfmemsafe.recovery._split import SplitBatch
-from tfmemsafe.recovery._split import _strategy_can_split
 
-_OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
-# Reductions that divide a loss by the rows of its batch (times any fixed
-# axes), so that micro-batches weighted by their rows add up to it.
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _PHASES = ("train", "test", "predict")
-_OPTIONALS = (tf.experimental.Optional, tf.OptionalSpec)
 # What an attempt that ran out returns (its micro-batches were made
 # smaller): no logs of any step are this object.
 _RAN_OUT = object()
@@ -119,14 +117,14 @@ class HeldSteps:
     def train(self, iterator):
         """`model.train_function`: the next steps' batches, trained."""
         self._trace_on("train", iterator)
-        for batch in _read(iterator, self.model.steps_per_execution):
+        for batch in read(iterator, self.model.steps_per_execution):
             logs = self._run("train", batch)
         return logs
 
     def test(self, iterator):
         """`model.test_function`: the next steps' batches, evaluated."""
         self._trace_on("test", iterator)
-        for batch in _read(iterator, self.model.steps_per_execution):
+        for batch in read(iterator, self.model.steps_per_execution):
             logs = self._run("test", batch)
         return logs
 
@@ -134,9 +132,9 @@ class HeldSteps:
         """`model.predict_function`: the outputs of `batches` (the list
         Keras reads for a call), joined."""
         outputs = [
-            self._run("predict", _without_optionals(batch)) for batch in batches
+            self._run("predict", without_optionals(batch)) for batch in batches
         ]
-        return _joined(outputs)
+        return joined(outputs)
 
     def _trace_on(self, name: str, iterator) -> None:
         """Traces the `name` step once for the data's own element spec,
@@ -149,7 +147,7 @@ class HeldSteps:
         self._traced.add(name)
         spec = getattr(iterator, "element_spec", None)
         if spec is not None:
-            self._steps[name].get_concrete_function(_without_optionals(spec))
+            self._steps[name].get_concrete_function(without_optionals(spec))
 
     # One batch.
 
@@ -157,7 +155,7 @@ class HeldSteps:
         """`batch` through the `name` step, in micro-batches as many as
         `MicroBatchSize` says; again in smaller ones after an OOM."""
         size = self.sizes[name]
-        rows = _rows(batch)
+        rows = rows_of(batch)
         in_use = self._in_use()
         grown = size.grow_back_rows(in_use)
         if grown is not None:
@@ -188,7 +186,7 @@ class HeldSteps:
             if piece >= rows:
                 result = self._measured_step(name, batch, rows)
             elif name == "train" and type(self.model).train_step in (
-                _OWN_TRAIN_STEPS
+                OWN_TRAIN_STEPS
             ):
                 result = self._split_train(batch, rows, piece)
             else:
@@ -249,11 +247,11 @@ class HeldSteps:
             name,
             rows,
             lambda start, end: self._reduced(
-                name, self._steps[name](_slice(batch, start, end))
+                name, self._steps[name](sliced(batch, start, end))
             ),
             batch=batch,
         )
-        return _joined(outputs) if name == "predict" else outputs[-1]
+        return joined(outputs) if name == "predict" else outputs[-1]
 
     def _each_piece(self, name: str, rows: int, run, batch=None) -> list:
         """`run(start, end)` for consecutive micro-batches of a batch of
@@ -294,7 +292,7 @@ class HeldSteps:
 
     def _after_oom(self, name: str, err, batch, rows: int, piece: int):
         """Decides the next attempt after `err`, or raises."""
-        total = sum(_share_rows(batch))
+        total = sum(share_rows(batch))
         _refuse_xla_on_cpu(self.model, err)
         if self.guard.touched():
             raise OutOfMemoryError(
@@ -412,151 +410,6 @@ class HeldSteps:
     def _peak(self):
         readings = [self.window.peak_bytes(d) for d in self.devices]
         return None if None in readings else max(readings)
-
-
-def split_refusal(
-    model, batch, name: str = "train", split_batch_norm: bool = False
-) -> str | None:
-    """Why a batch of `model` cannot be split into micro-batches exactly,
-    or `None` when it can.
-
-    A model with its own `train_step` is split as calls of that step on
-    the pieces (see docs/oom-recovery.md), so only Keras' own steps are
-    checked: each loss must divide by the batch's rows (reduction
-    `"sum_over_batch_size"`, the default, or `"mean"`; or
-    `"mean_with_sample_weight"` on a batch without sample weights), the
-    outputs must carry no mask (a masked loss divides by the unmasked
-    steps), no `BatchNormalization` may train (unless `split_batch_norm`),
-    the model must not override `compute_loss`, and its update
-    must be traced (not `run_eagerly`) under no strategy or a
-    one-machine `MirroredStrategy`.
-    """
-    if name == "predict":
-        return None
-    own = type(model).train_step in _OWN_TRAIN_STEPS
-    if name == "train" and not own:
-        return None
-    if name == "train" and (
-        model.run_eagerly or tf.config.functions_run_eagerly()
-    ):
-        return (
-            "the model runs eagerly (`run_eagerly=True`), so its update "
-            "cannot wait for every micro-batch"
-        )
-    if name == "train" and not _strategy_can_split(model):
-        return (
-            f"the strategy {type(model.distribute_strategy).__name__} "
-            "cannot hold back its update"
-        )
-    if distribute.is_multi_worker(model.distribute_strategy):
-        return "a multi-worker job splits only through `tfmemsafe.fit`"
-    if name == "train" and not split_batch_norm:
-        for layer in _compat.nested_layers(model):
-            if isinstance(layer, keras.layers.BatchNormalization) and (
-                layer.trainable
-            ):
-                return (
-                    f"its layer {layer.name!r} normalizes each batch by the "
-                    "batch's own statistics, so micro-batches would be "
-                    "normalized otherwise (pass `split_batch_norm=True` to "
-                    "split all the same)"
-                )
-    if type(model).compute_loss is not keras.Model.compute_loss:
-        return "the model overrides `compute_loss`, whose reduction is unknown"
-    _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    for loss in tf.nest.flatten(model.loss):
-        reduction = getattr(loss, "reduction", "sum_over_batch_size")
-        if reduction == "mean_with_sample_weight" and sample_weight is None:
-            continue
-        if reduction not in _MEAN_REDUCTIONS:
-            return (
-                f"the loss {getattr(loss, 'name', loss)!r} has "
-                f"reduction={reduction!r}, which does not average over the "
-                "batch's rows"
-            )
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-    x = tf.nest.map_structure(lambda t: t[:1], _local(model, x))
-    outputs = model(x, training=False)
-    if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
-        return "the model's outputs carry a mask"
-    return None
-
-
-def _read(iterator, count: int) -> list:
-    """Up to `count` batches from `iterator`; raises `StopIteration` when
-    it has none (Keras' loop ends the epoch there)."""
-    batches = []
-    for _ in range(count):
-        try:
-            batch = next(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            if batches:
-                break
-            raise
-        batches.append(_without_optionals(batch))
-    return batches
-
-
-def _without_optionals(batch):
-    """Keras' data gives `None` parts as empty `tf.experimental.Optional`s;
-    its own step function maps them back to `None`, as here."""
-    return tf.nest.map_structure(
-        lambda t: None if isinstance(t, _OPTIONALS) else t, batch
-    )
-
-
-def _local(model, batch):
-    """`batch`, or the first replica's share of it."""
-    strategy = model.distribute_strategy
-
-    def first(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    return tf.nest.map_structure(first, batch)
-
-
-def _share_rows(batch) -> list:
-    """The rows of each replica's share of `batch` (one share unless it
-    is a batch of `tf.distribute` values)."""
-    for leaf in tf.nest.flatten(batch):
-        if leaf is None:
-            continue
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            return [int(tf.shape(part)[0]) for part in leaf.values]
-        return [int(tf.shape(leaf)[0])]
-    raise ValueError("The batch holds no tensor.")
-
-
-def _rows(batch) -> int:
-    """The rows of `batch`'s largest replica share: what micro-batches
-    are sized in."""
-    return max(_share_rows(batch))
-
-
-def _slice(batch, start: int, end: int):
-    """Rows `start` to `end` of `batch` (of each replica's share, for a
-    batch of `tf.distribute` values: those rows of every share)."""
-
-    def cut(value):
-        if value is None:
-            return None
-        return value[start:end]
-
-    leaves = tf.nest.flatten(batch)
-    if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
-        raise ValueError(
-            "A model with its own `train_step` is split under a "
-            "`tf.distribute` strategy only by `SplitBatch`."
-        )
-    return tf.nest.map_structure(cut, batch)
-
-
-def _joined(outputs):
-    if len(outputs) == 1:
-        return outputs[0]
-    return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
 
 
 def _one_example(rows: int, err) -> str:

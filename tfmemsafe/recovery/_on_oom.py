@@ -1,15 +1,22 @@
-"""`SplitBatchOnOOM`: the Keras callback that recovers inside the step."""
+"""`SplitBatchOnOOM`: the Keras callback that recovers inside the step,
+and `model.fit` with it for `tfmemsafe.fit` (`fit_in_step`)."""
 
 from __future__ import annotations
+
+import collections.abc
+import types
 
 import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _pipelines
 from tfmemsafe import distribute
 from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._step_guard import StepGuard
+from tfmemsafe.history import FitHistory
+from tfmemsafe.history import fit_history_of
 from tfmemsafe.recovery._held_step import HeldSteps
 
 
@@ -230,3 +237,92 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         if self._phases:
             self._phases = []
             self._close()
+
+
+def in_step_only(x, steps_per_epoch) -> bool:
+    """Whether `x` trains only in `model.fit`'s own loop: data that
+    cannot be batched again (a `PyDataset`, a generator or iterator), or
+    `steps_per_epoch`, with which `model.fit` keeps one iterator across
+    epochs."""
+    return is_iterable_only(x) or steps_per_epoch is not None
+
+
+def is_iterable_only(x) -> bool:
+    """Whether `x` is data only Keras' own loop reads: a `PyDataset`, or
+    a generator or iterator."""
+    return isinstance(
+        x,
+        (
+            keras.utils.PyDataset,
+            types.GeneratorType,
+            collections.abc.Iterator,
+        ),
+    )
+
+
+def fit_in_step(
+    model,
+    x,
+    y,
+    sample_weight,
+    callbacks,
+    *,
+    grow_back_after,
+    split_batch_norm,
+    **model_fit_arguments,
+) -> FitHistory:
+    """`model.fit` with `SplitBatchOnOOM`: a batch that runs out is split
+    in its step. A callable `batch_size -> dataset` is called once, and
+    an unbatched dataset batched, at the batch size."""
+    batch_size = model_fit_arguments.pop("batch_size")
+    if batch_size == "auto":
+        raise ValueError(
+            "`batch_size='auto'` needs data that can be batched again "
+            "(arrays, a tf.data.Dataset or a callable). Received: x of "
+            f"type {type(x).__name__}"
+        )
+    x, trained_at = _batched(x, batch_size)
+    if trained_at != batch_size:
+        batch_size = None  # A dataset now, batched.
+    validation = model_fit_arguments.get("validation_data")
+    if validation is not None:
+        size = model_fit_arguments["validation_batch_size"] or trained_at
+        validation, validated_at = _batched(validation, size)
+        model_fit_arguments["validation_data"] = validation
+        if validated_at != size:
+            model_fit_arguments["validation_batch_size"] = None
+    split = SplitBatchOnOOM(
+        grow_back_after=grow_back_after,
+        split_batch_norm=split_batch_norm,
+    )
+    history = fit_history_of(callbacks)
+    if history not in callbacks:
+        callbacks = [history, *callbacks]
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        sample_weight=sample_weight,
+        callbacks=[*callbacks, split],
+        **model_fit_arguments,
+    )
+    history.oom_events.extend(split.oom_events)
+    history.grow_back_events.extend(split.grow_back_events)
+    history.batch_size = trained_at
+    return history
+
+
+def _batched(data, batch_size):
+    """`data` as `model.fit` takes it, and its batch size: a callable
+    `batch_size -> dataset` called, an unbatched dataset batched (at
+    `batch_size`, else 32); other data as it is."""
+    if callable(data) and not isinstance(data, keras.utils.PyDataset):
+        size = batch_size or 32
+        return data(size), size
+    if isinstance(data, tf.data.Dataset):
+        batched, size = _pipelines.batching_of(data)
+        if batched:
+            return data, size
+        size = batch_size or 32
+        return data.batch(size).prefetch(1), size
+    return data, batch_size

@@ -1,0 +1,102 @@
+"""What a batch that runs out can be split into exactly: `split_refusal`.
+
+Micro-batches weighted by their rows add up to the whole batch's update
+when every loss divides by the batch's rows and nothing else in the step
+depends on the batch as a whole. This module says, for a model, why not
+when it cannot.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmemsafe import _compat
+from tfmemsafe import distribute
+from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.recovery._split import _strategy_can_split
+
+OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
+# Reductions that divide a loss by the rows of its batch (times any fixed
+# axes), so that micro-batches weighted by their rows add up to it.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def split_refusal(
+    model, batch, name: str = "train", split_batch_norm: bool = False
+) -> str | None:
+    """Why a batch of `model` cannot be split into micro-batches exactly,
+    or `None` when it can.
+
+    A model with its own `train_step` is split as calls of that step on
+    the pieces (see docs/oom-recovery.md), so only Keras' own steps are
+    checked: each loss must divide by the batch's rows (reduction
+    `"sum_over_batch_size"`, the default, or `"mean"`; or
+    `"mean_with_sample_weight"` on a batch without sample weights), the
+    outputs must carry no mask (a masked loss divides by the unmasked
+    steps), no `BatchNormalization` may train (unless `split_batch_norm`),
+    the model must not override `compute_loss`, and its update
+    must be traced (not `run_eagerly`) under no strategy or a
+    one-machine `MirroredStrategy`.
+    """
+    if name == "predict":
+        return None
+    own = type(model).train_step in OWN_TRAIN_STEPS
+    if name == "train" and not own:
+        return None
+    if name == "train" and (
+        model.run_eagerly or tf.config.functions_run_eagerly()
+    ):
+        return (
+            "the model runs eagerly (`run_eagerly=True`), so its update "
+            "cannot wait for every micro-batch"
+        )
+    if name == "train" and not _strategy_can_split(model):
+        return (
+            f"the strategy {type(model.distribute_strategy).__name__} "
+            "cannot hold back its update"
+        )
+    if distribute.is_multi_worker(model.distribute_strategy):
+        return "a multi-worker job splits only through `tfmemsafe.fit`"
+    if name == "train" and not split_batch_norm:
+        for layer in _compat.nested_layers(model):
+            if isinstance(layer, keras.layers.BatchNormalization) and (
+                layer.trainable
+            ):
+                return (
+                    f"its layer {layer.name!r} normalizes each batch by the "
+                    "batch's own statistics, so micro-batches would be "
+                    "normalized otherwise (pass `split_batch_norm=True` to "
+                    "split all the same)"
+                )
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return "the model overrides `compute_loss`, whose reduction is unknown"
+    _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    for loss in tf.nest.flatten(model.loss):
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")
+        if reduction == "mean_with_sample_weight" and sample_weight is None:
+            continue
+        if reduction not in _MEAN_REDUCTIONS:
+            return (
+                f"the loss {getattr(loss, 'name', loss)!r} has "
+                f"reduction={reduction!r}, which does not average over the "
+                "batch's rows"
+            )
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    x = tf.nest.map_structure(lambda t: t[:1], _local(model, x))
+    outputs = model(x, training=False)
+    if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
+        return "the model's outputs carry a mask"
+    return None
+
+
+def _local(model, batch):
+    """`batch`, or the first replica's share of it."""
+    strategy = model.distribute_strategy
+
+    def first(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(first, batch)
