@@ -2,14 +2,16 @@
 
 An MLP with Adam (512 features, two hidden layers of `--widths` units, 10
 classes) trains `--epochs` epochs on `--rows` random rows at batch
-`--batch_size`, through `model.fit` and through `tfmemsafe.fit`
-(`preflight=False`, so that only the safety net is measured), each in a
-fresh process, the two taking turns `--rounds` times for each width. The
-table gives the parameters, the model-and-optimizer state, the peak RSS
-of the whole process over what it held before training, and the CPU and
-wall time of training, with the ratios of `tfmemsafe.fit` to
-`model.fit`: medians, and the range of the pairs' ratios (one run's CPU
-time moves by several percent on a shared machine).
+`--batch_size`, through `model.fit`, through `model.fit` with
+`tfmemsafe.SplitBatchOnOOM()` in its callbacks, and through
+`tfmemsafe.fit` (`preflight=False`, so that only the safety net is
+measured), each in a fresh process, the three taking turns `--rounds`
+times for each width. The table gives the parameters, the
+model-and-optimizer state, the peak RSS of the whole process over what
+it held before training, and the CPU and wall time of training, with the
+ratios of each to `model.fit`: medians, and the range of the rounds'
+ratios (one run's CPU time moves by several percent on a shared
+machine).
 
 Then one recovered error at `--recover_width`, under a CPU allocator cap
 of `--cap_mb`: at epoch 1, step 1 a callback fills the allocator, as
@@ -42,7 +44,7 @@ _WIDTHS = flags.DEFINE_list(
 _ROWS = flags.DEFINE_integer("rows", 2048, "Training rows.")
 _EPOCHS = flags.DEFINE_integer("epochs", 2, "Epochs.")
 _ROUNDS = flags.DEFINE_integer(
-    "rounds", 3, "Pairs of runs for each width, taking turns."
+    "rounds", 3, "Rounds of the three runs for each width, taking turns."
 )
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Batch size.")
 _RECOVER_WIDTH = flags.DEFINE_integer(
@@ -83,6 +85,9 @@ def _cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
+_VARIANTS = ("model.fit", "SplitBatchOnOOM", "tfmemsafe.fit")
+
+
 def train(wrapper, width, rows, epochs, batch_size, hold=False):
     """One training run in this process; returns its costs."""
     import numpy as np
@@ -101,7 +106,12 @@ def train(wrapper, width, rows, epochs, batch_size, hold=False):
         batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks
     )
     errors = 0
-    if wrapper:
+    if wrapper == "SplitBatchOnOOM":
+        split = tfmemsafe.SplitBatchOnOOM()
+        arguments["callbacks"] = [*callbacks, split]
+        model.fit(x, y, **arguments)
+        errors = len(split.oom_events)
+    elif wrapper:
         history = tfmemsafe.fit(model, (x, y), preflight=False, **arguments)
         errors = len(history.oom_events)
     else:
@@ -127,9 +137,9 @@ def _median(values):
     return (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def _ratios(pairs, key):
-    """`tfmemsafe.fit`'s over `model.fit`'s: the median (the range)."""
-    ratios = [wrapped[key] / plain[key] for plain, wrapped in pairs]
+def _ratios(pairs, key, index=1):
+    """A variant's over `model.fit`'s: the median (the range)."""
+    ratios = [runs[index][key] / runs[0][key] for runs in pairs]
     if len(ratios) == 1:
         return f"{ratios[0]:.3f}"
     return f"{_median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
@@ -153,35 +163,40 @@ def main(argv):
     print(
         f"An MLP with Adam, {rows} rows of {_FEATURES} features, {epochs} "
         f"epochs at batch {size}; peak RSS over the start of training; "
-        f"{_ROUNDS.value} pairs a width, taking turns: medians, and the "
-        "range of the pairs' ratios.\n"
+        f"{_ROUNDS.value} rounds a width, the three taking turns: medians, "
+        "and the range of the rounds' ratios to model.fit.\n"
     )
     print(
-        "| parameters | state MiB | model.fit MiB | tfmemsafe.fit MiB | "
-        "extra MiB | extra / state | CPU ratio | wall ratio |"
+        "| parameters | state MiB | model.fit MiB | variant | variant MiB "
+        "| extra MiB | extra / state | CPU ratio | wall ratio |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for width in map(int, _WIDTHS.value):
-        pairs = []
+        rounds = []
         for _ in range(_ROUNDS.value):
-            plain, wrapped = (
-                testing.run_in_subprocess(
-                    train, args=[wrapper, width, rows, epochs, size]
-                )
-                for wrapper in (False, True)
+            rounds.append(
+                [
+                    testing.run_in_subprocess(
+                        train,
+                        args=[variant != "model.fit" and variant]
+                        + [width, rows, epochs, size],
+                    )
+                    for variant in _VARIANTS
+                ]
             )
-            pairs.append((plain, wrapped))
-        plain_extra = _median([plain["extra"] for plain, _ in pairs])
-        wrapped_extra = _median([wrapped["extra"] for _, wrapped in pairs])
-        extra = _median([w["extra"] - p["extra"] for p, w in pairs])
-        state = pairs[0][0]["state"]
-        print(
-            f"| {pairs[0][0]['parameters'] / 1e6:.0f}M | {_mib(state)} | "
-            f"{_mib(plain_extra)} | {_mib(wrapped_extra)} | "
-            f"{_mib(extra)} | {extra / state:+.1%} | "
-            f"{_ratios(pairs, 'cpu')} | {_ratios(pairs, 'wall')} |",
-            flush=True,
-        )
+        plain_extra = _median([runs[0]["extra"] for runs in rounds])
+        state = rounds[0][0]["state"]
+        for index, variant in enumerate(_VARIANTS[1:], start=1):
+            extra = _median([r[index]["extra"] - r[0]["extra"] for r in rounds])
+            variant_extra = _median([r[index]["extra"] for r in rounds])
+            print(
+                f"| {rounds[0][0]['parameters'] / 1e6:.0f}M | {_mib(state)} | "
+                f"{_mib(plain_extra)} | {variant} | {_mib(variant_extra)} | "
+                f"{_mib(extra)} | {extra / state:+.1%} | "
+                f"{_ratios(rounds, 'cpu', index)} | "
+                f"{_ratios(rounds, 'wall', index)} |",
+                flush=True,
+            )
     if _RECOVER_WIDTH.value:
         _recovered(_RECOVER_WIDTH.value, rows, epochs, size, _CAP_MB.value)
 
