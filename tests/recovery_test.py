@@ -540,14 +540,13 @@ def _suffered(run) -> list:
 
 
 def _repeated_with_memory_held(**kwargs):
-    """An endless dataset with `steps_per_epoch`, memory held."""
+    """A dataset, repeated and batched by `fit`, memory held."""
     model = _conv_net()
     return _fit_with_memory_held(
         model,
-        _aligned_rows(*_images(1024)).repeat(),
+        _aligned_rows(*_images(1024)).repeat(2),
         [model.optimizer],
         batch_size=256,
-        steps_per_epoch=4,
         **kwargs,
     )
 
@@ -565,8 +564,9 @@ def _two_optimizers_with_memory_held(**kwargs):
 
 
 def datasets_with_memory_held_under_cap():
-    """An endless dataset with `steps_per_epoch`, and a dataset function,
-    with memory held through the recovery.
+    """A repeated dataset and a dataset function, with memory held through
+    the recovery. (With `steps_per_epoch`, `fit` recovers inside the step:
+    on_oom_test.)
 
     Both crashed TensorFlow before tfmemsafe hardened the pipelines it
     gives Keras (`_pipelines.for_keras`): the rewrite of the pipeline
@@ -954,24 +954,6 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         # Epoch 3 resumed at its failed step: it began once.
         self.assertEqual(recorder.epochs_begun, [2, 3, 4])
         self.assertEqual(history.epoch, [2, 3, 4])
-
-    def test_steps_per_epoch_doubles_with_the_halved_batch(self):
-        x, y = _models.table()
-        recorder = _StepCounter()
-        tfmemsafe.fit(
-            _models.dense_model(),
-            lambda batch_size: (
-                tf.data.Dataset.from_tensor_slices((x, y))
-                .repeat()
-                .batch(batch_size)
-            ),
-            batch_size=32,
-            epochs=2,
-            steps_per_epoch=4,
-            callbacks=[testing.SimulatedOutOfMemory(("train", 0, 1)), recorder],
-            verbose=0,
-        )
-        self.assertEqual(recorder.steps, [8, 8])
 
     def test_plain_model_warns_once_that_the_effective_batch_changes(self):
         with self.assertLogs(level="WARNING") as logs:

@@ -11,6 +11,7 @@ moves.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import keras
@@ -101,3 +102,24 @@ def has_keras_mask(tensor) -> bool:
 
 def _version() -> tuple:
     return tuple(int(part) for part in keras.__version__.split(".")[:2])
+
+
+@functools.cache
+def activity_regularization_is_a_mean() -> bool:
+    """Whether this Keras divides an activity regularizer's loss by the
+    batch's rows, so that micro-batches weighted by their rows add up to
+    the whole batch's (Keras 3.15 does; earlier releases summed it).
+
+    Read from what Keras does rather than from its version: one layer's
+    loss at two batch sizes of the same rows. No private name is read.
+    """
+    import numpy as np
+
+    layer = keras.layers.Activation(
+        "linear", activity_regularizer=keras.regularizers.L1(1.0)
+    )
+    losses = []
+    for rows in (1, 2):
+        layer(np.ones((rows, 1), "float32"))
+        losses.append(float(sum(np.asarray(x) for x in layer.losses)))
+    return abs(losses[0] - losses[1]) < 1e-6

@@ -14,6 +14,7 @@ import tensorflow as tf
 from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe.accumulation import AccumulatingModel
+from tfmemsafe.recovery._held_batches import first_share
 from tfmemsafe.recovery._split import _strategy_can_split
 
 OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
@@ -69,6 +70,17 @@ def split_refusal(
                     "normalized otherwise (pass `split_batch_norm=True` to "
                     "split all the same)"
                 )
+    if name == "train" and not _compat.activity_regularization_is_a_mean():
+        for layer in _compat.nested_layers(model):
+            if getattr(layer, "activity_regularizer", None) is not None:
+                return (
+                    f"its layer {layer.name!r} has an activity regularizer, "
+                    "which this Keras sums over the batch's rows"
+                )
+    if model.loss is None:
+        return (
+            "its loss comes from `add_loss` alone, whose reduction is unknown"
+        )
     if type(model).compute_loss is not keras.Model.compute_loss:
         return "the model overrides `compute_loss`, whose reduction is unknown"
     _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
@@ -83,20 +95,10 @@ def split_refusal(
                 "batch's rows"
             )
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-    x = tf.nest.map_structure(lambda t: t[:1], _local(model, x))
+    x = tf.nest.map_structure(
+        lambda t: t[:1], first_share(x, model.distribute_strategy)
+    )
     outputs = model(x, training=False)
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
         return "the model's outputs carry a mask"
     return None
-
-
-def _local(model, batch):
-    """`batch`, or the first replica's share of it."""
-    strategy = model.distribute_strategy
-
-    def first(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    return tf.nest.map_structure(first, batch)

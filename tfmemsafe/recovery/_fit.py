@@ -250,7 +250,15 @@ def fit(
         validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )
-    if in_step_only(x, steps_per_epoch):
+    multi_worker = distribute.is_multi_worker(model.distribute_strategy)
+    if multi_worker and is_iterable_only(x):
+        raise ValueError(
+            "On a multi-worker job `tfmemsafe.fit` recovers by agreeing on "
+            "a smaller batch, which needs data it can batch again (arrays, "
+            "a tf.data.Dataset or a callable). Received: x of type "
+            f"{type(x).__name__}"
+        )
+    if in_step_only(x, steps_per_epoch) and not multi_worker:
         if batch_size == "auto" and not is_iterable_only(x):
             batch_size = find_max_batch_size(
                 model, x if y is None else (x, y), memory_estimate=True

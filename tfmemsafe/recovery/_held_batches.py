@@ -48,22 +48,46 @@ def rows_of(batch) -> int:
     return max(share_rows(batch))
 
 
-def sliced(batch, start: int, end: int):
-    """Rows `start` to `end` of `batch` (of each replica's share, for a
-    batch of `tf.distribute` values: those rows of every share)."""
+def sliced(batch, start: int, end: int, strategy=None):
+    """Rows `start` to `end` of `batch`; of a batch of `tf.distribute`
+    values, those rows of every replica's share, on its replica."""
 
     def cut(value):
-        if value is None:
-            return None
-        return value[start:end]
+        return None if value is None else value[start:end]
 
     leaves = tf.nest.flatten(batch)
-    if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
-        raise ValueError(
-            "A model with its own `train_step` is split under a "
-            "`tf.distribute` strategy only by `SplitBatch`."
+    if not any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
+        return tf.nest.map_structure(cut, batch)
+    local = [
+        strategy.experimental_local_results(t)
+        if isinstance(t, tf.distribute.DistributedValues)
+        else None
+        for t in leaves
+    ]
+
+    def on_replica(context):
+        replica = context.replica_id_in_sync_group
+        return tf.nest.pack_sequence_as(
+            batch,
+            [
+                cut(leaf if parts is None else parts[replica])
+                for leaf, parts in zip(leaves, local, strict=True)
+            ],
         )
-    return tf.nest.map_structure(cut, batch)
+
+    return strategy.experimental_distribute_values_from_function(on_replica)
+
+
+def first_share(batch, strategy):
+    """`batch`, or the first replica's share of a batch of `tf.distribute`
+    values."""
+
+    def first(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(first, batch)
 
 
 def joined(outputs):

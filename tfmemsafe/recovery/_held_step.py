@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
@@ -32,6 +33,7 @@ from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import split_refusal
+from tfmemsafe.recovery._held_batches import first_share
 from tfmemsafe.recovery._held_batches import joined
 from tfmemsafe.recovery._held_batches import read
 from tfmemsafe.recovery._held_batches import rows_of
@@ -85,12 +87,6 @@ class HeldSteps:
         # Where the run is, for the events: set by `SplitBatchOnOOM`.
         self.epoch = self.step = None
         self.in_fit = False
-        optimizer = model.optimizer
-        if optimizer is not None and not optimizer.built:
-            # Built eagerly: a first step that runs out would otherwise
-            # build it in a trace that never ran.
-            with self.strategy.scope():
-                optimizer.build(model.trainable_variables)
         self._split = SplitBatch(model, guard, source=None)
         self._refusal = {}  # phase -> why its batches are not split.
         # The current attempt's micro-batches begun and planned, and the
@@ -99,18 +95,26 @@ class HeldSteps:
         self._pieces = self._planned = 0
         self._pending = []
         self._traced = set()  # The steps traced on the data's spec.
-        self._steps = {
-            name: tf.function(
-                lambda data, step=step: self.strategy.run(step, args=(data,)),
-                reduce_retracing=True,
-                jit_compile=model.jit_compile is True,
-            )
-            for name, step in (
-                ("train", model.train_step),
-                ("test", model.test_step),
-                ("predict", model.predict_step),
-            )
-        }
+        # The rows of the micro-batch (or whole batch) running now: what an
+        # error is charged to.
+        self._running = None
+        self._steps = {}
+        for name, step in (
+            ("train", model.train_step),
+            ("test", model.test_step),
+            ("predict", model.predict_step),
+        ):
+
+            def run(data, step=step):
+                return self.strategy.run(step, args=(data,))
+
+            if not model.run_eagerly:
+                run = tf.function(
+                    run,
+                    reduce_retracing=True,
+                    jit_compile=model.jit_compile is True,
+                )
+            self._steps[name] = run
 
     # Keras' functions.
 
@@ -118,8 +122,24 @@ class HeldSteps:
         """`model.train_function`: the next steps' batches, trained."""
         self._trace_on("train", iterator)
         for batch in read(iterator, self.model.steps_per_execution):
+            self._build_optimizer(batch)
             logs = self._run("train", batch)
         return logs
+
+    def _build_optimizer(self, batch) -> None:
+        """Builds the optimizer before the first step: built in that
+        step's trace, a step that ran out would leave it unusable. A model
+        not built yet (subclassed, or without an `Input`) is built first,
+        by its call on one example, as Keras' first step would."""
+        optimizer = self.model.optimizer
+        if optimizer is None or optimizer.built:
+            return
+        if not self.model.built:
+            x = keras.utils.unpack_x_y_sample_weight(batch)[0]
+            one = sliced(first_share(x, self.strategy), 0, 1)
+            self.model(one, training=False)
+        with self.strategy.scope():
+            optimizer.build(self.model.trainable_variables)
 
     def test(self, iterator):
         """`model.test_function`: the next steps' batches, evaluated."""
@@ -142,7 +162,11 @@ class HeldSteps:
         known rows comes: what Keras reads from a batch's static shape
         (the rows a multi-output model's per-output losses are averaged
         by) is then what it reads under Keras' own step."""
-        if name in self._traced or self.strategy.num_replicas_in_sync > 1:
+        if (
+            name in self._traced
+            or self.strategy.num_replicas_in_sync > 1
+            or self.model.run_eagerly
+        ):
             return
         self._traced.add(name)
         spec = getattr(iterator, "element_spec", None)
@@ -163,6 +187,8 @@ class HeldSteps:
             result = self._attempt(name, batch, rows, grown)
             if result is not _RAN_OUT:
                 size.grew_back(grown, rows)
+                if name == "train" and size.rows is None:
+                    self._split.release()  # Whole batches again.
                 self._grew_back(name, rows, before, grown, in_use)
                 size.trained()
                 return result
@@ -185,9 +211,7 @@ class HeldSteps:
         try:
             if piece >= rows:
                 result = self._measured_step(name, batch, rows)
-            elif name == "train" and type(self.model).train_step in (
-                OWN_TRAIN_STEPS
-            ):
+            elif name == "train" and self._splits_update():
                 result = self._split_train(batch, rows, piece)
             else:
                 result = self._in_pieces(name, batch, rows, piece)
@@ -196,7 +220,7 @@ class HeldSteps:
                 raise
             self.guard.restore_small_state()
             self._record_pending()
-            self._after_oom(name, err, batch, rows, piece)
+            self._after_oom(name, err, batch, self._running)
             return _RAN_OUT
         self._record_pending()
         return result
@@ -222,16 +246,18 @@ class HeldSteps:
                 self._planned = pieces
                 for index in range(pieces):
                     bounds = split.uniform_bounds(index, pieces)
+                    largest = max(end - start for start, end in bounds)
                     before = self._in_use()
                     self.window.reset()
                     self._pieces += 1
+                    self._running = largest
                     split.train_piece(bounds)
-                    largest = max(end - start for start, end in bounds)
                     size.measured(largest, self._peak(), before)
             else:
                 self._each_piece(
                     "train",
                     rows,
+                    piece,
                     lambda start, end: split.train_piece([(start, end)]),
                 )
             return split.finish()
@@ -246,22 +272,28 @@ class HeldSteps:
         outputs = self._each_piece(
             name,
             rows,
+            piece,
             lambda start, end: self._reduced(
-                name, self._steps[name](sliced(batch, start, end))
+                name,
+                self._steps[name](sliced(batch, start, end, self.strategy)),
             ),
             batch=batch,
         )
         return joined(outputs) if name == "predict" else outputs[-1]
 
-    def _each_piece(self, name: str, rows: int, run, batch=None) -> list:
-        """`run(start, end)` for consecutive micro-batches of a batch of
-        `rows`, each measured, sized by `MicroBatchSize` (after a probe,
-        if it asks for one); their results. Given the `batch`, a
-        micro-batch that runs out is run again smaller (each is a step of
-        its own); else the error ends the attempt."""
+    def _each_piece(
+        self, name: str, rows: int, piece: int, run, batch=None
+    ) -> list:
+        """`run(start, end)` for consecutive micro-batches of `piece` rows
+        of a batch of `rows`, each measured (a probe first, if
+        `MicroBatchSize` asks for one, and then the size it sets); their
+        results. Given the `batch`, a micro-batch that runs out is run
+        again smaller (each is a step of its own); else the error ends
+        the attempt."""
         size, start, results = self.sizes[name], 0, []
         while start < rows:
-            end = min(rows, start + (size.probe_rows() or size.rows_for(rows)))
+            probe = size.probe_rows()
+            end = min(rows, start + (probe or piece))
             self._planned = self._pieces + 1
             self._planned += math.ceil((rows - end) / size.rows_for(rows))
             if batch is not None:
@@ -269,6 +301,7 @@ class HeldSteps:
             before = self._in_use()
             self.window.reset()
             self._pieces += 1
+            self._running = end - start
             try:
                 result = run(start, end)
             except Exception as err:  # noqa: BLE001 (re-raised unless OOM)
@@ -276,22 +309,27 @@ class HeldSteps:
                     raise
                 self.guard.restore_small_state()
                 self._record_pending()
-                self._after_oom(name, err, batch, rows, end - start)
+                self._after_oom(name, err, batch, end - start)
+                piece = size.rows_for(rows)
                 continue
             results.append(result)
             size.measured(end - start, self._peak(), before)
+            if probe:
+                piece = size.rows_for(rows)
             start = end
         return results
 
     def _measured_step(self, name: str, batch, rows: int):
         before = self._in_use()
         self.window.reset()
+        self._running = rows
         result = self._reduced(name, self._steps[name](batch))
         self.sizes[name].measured(rows, self._peak(), before)
         return result
 
-    def _after_oom(self, name: str, err, batch, rows: int, piece: int):
-        """Decides the next attempt after `err`, or raises."""
+    def _after_oom(self, name: str, err, batch, piece: int):
+        """Decides the next attempt after `err`, which micro-batches of
+        `piece` rows ran into, or raises."""
         total = sum(share_rows(batch))
         _refuse_xla_on_cpu(self.model, err)
         if self.guard.touched():
@@ -321,7 +359,11 @@ class HeldSteps:
                 f"{_first_line(err)}",
                 tried_batch_sizes=(total,),
             ) from err
-        smaller = self.sizes[name].ran_out(piece, self._in_use())
+        in_use = self._in_use()
+        if in_use is not None and name == "train" and self._splits_update():
+            # The split's gradient sums, which the next attempt makes.
+            in_use += self._split.sum_bytes()
+        smaller = self.sizes[name].ran_out(piece, in_use)
         if smaller is None:
             raise OutOfMemoryError(
                 _one_example(total, err), tried_batch_sizes=(total,)
@@ -366,6 +408,9 @@ class HeldSteps:
             min(grown, rows),
             event.predicted,
         )
+
+    def _splits_update(self) -> bool:
+        return type(self.model).train_step in OWN_TRAIN_STEPS
 
     def _phase(self, name: str) -> str:
         if name == "train":

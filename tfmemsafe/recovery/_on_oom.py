@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -18,6 +19,9 @@ from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import fit_history_of
 from tfmemsafe.recovery._held_step import HeldSteps
+
+# The callback whose held functions a model has now.
+_OWNERS = weakref.WeakKeyDictionary()
 
 
 class SplitBatchOnOOM(keras.callbacks.Callback):
@@ -109,6 +113,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         self._guard = None
         self._keras_functions = {}
         self._phases = []  # The open phases, outermost first.
+        # Whether Keras began a batch of this callback's loop since the
+        # last call of a held function.
+        self._batch_began = False
 
     # Installing and removing.
 
@@ -144,6 +151,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
                 "each split."
             )
             return
+        stale = _OWNERS.get(model)
+        if stale is not None:
+            stale._reset()  # An error outside its functions ended its run.
         if StepGuard.installed_on(model):
             raise ValueError(
                 "SplitBatchOnOOM is already part of `tfmemsafe.fit`; pass "
@@ -160,8 +170,11 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         self._held = HeldSteps(
             model, self._guard, self.grow_back_after, self.split_batch_norm
         )
+        _OWNERS[model] = self
 
     def _close(self) -> None:
+        if _OWNERS.get(self.model) is self:
+            del _OWNERS[self.model]
         if self._held is not None:
             self.oom_events = self._held.oom_events
             self.grow_back_events = self._held.grow_back_events
@@ -176,10 +189,17 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         """The held `phase` function; an error out of it (past which Keras
         calls no `on_*_end`) puts Keras' functions and the optimizers
         back first. The end of the data is no error: Keras' loop stops
-        there."""
+        there. Called by a loop this callback is not in (a run that an
+        error outside it ended left it in place), it puts Keras' back and
+        hands over to Keras' own."""
         function = getattr(self._held, phase)
 
         def held(data):
+            if not self._batch_began:
+                self._reset()
+                getattr(self.model, f"make_{phase}_function")(force=True)
+                return getattr(self.model, f"{phase}_function")(data)
+            self._batch_began = False
             try:
                 return function(data)
             except (StopIteration, tf.errors.OutOfRangeError):
@@ -221,14 +241,17 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             self._held.epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._batch_began = True
         if self._held is not None:
             self._held.step = batch
 
     def on_test_batch_begin(self, batch, logs=None):
+        self._batch_began = True
         if self._held is not None:
             self._held.step = batch
 
     def on_predict_batch_begin(self, batch, logs=None):
+        self._batch_began = True
         if self._held is not None:
             self._held.step = batch
 

@@ -81,6 +81,7 @@ class SplitBatch:
         # The open split (`begin` to `close`): each replica's share of
         # its batch, the compiled micro-batch step and its last logs.
         self._shares, self._step, self._logs = [], None, None
+        self._update_function = self._zero = None
         self._pieces_traced = False
         self._sums = {}  # id(variable) -> its weighted gradient sum.
         self._total = None  # The micro-batches' weights, summed.
@@ -211,12 +212,19 @@ class SplitBatch:
             return self.finish()
         finally:
             self.close()
+            self.release()
 
     def begin(self, batch) -> None:
         """Opens the split of `batch` (a batch as Keras' step takes it, or
         one of `tf.distribute` values, a share on each replica): its
-        gradient sums start at zero."""
+        gradient sums start at zero. The sums and the compiled steps are
+        made at the first split and kept until `release`, so that later
+        splits trace nothing again."""
         self._shares = _replica_shares(batch, self.strategy, self._replicas)
+        self._sparse = {}
+        if self._sums:
+            self._zero()
+            return
         # Made before the sums (whose creation under a multi-worker
         # strategy is a collective), so that one worker's failure to make
         # them is every worker's.
@@ -236,15 +244,31 @@ class SplitBatch:
             self._total = _summed(0.0)
             self._size = _summed(0.0)
         del zeros
-        self._updates, self._dense, self._sparse = {}, set(), {}
+        self._updates, self._dense = {}, set()
+        self._pieces_traced = False
         # Compiled whole, `strategy.run` inside, as Keras compiles its
         # step (a compiled function run per GPU replica could not
         # `merge_call`, which an `AccumulatingModel`'s step does).
-        self._pieces_traced = False
         self._step = tf.function(
             lambda piece: self.strategy.run(self._micro_batch, args=(piece,)),
             reduce_retracing=True,
             jit_compile=self.model.jit_compile is True,
+        )
+        self._update_function = tf.function(self._replicated_update)
+        self._zero = tf.function(self._assign_zeros, autograph=False)
+
+    def _assign_zeros(self):
+        for variable in [*self._sums.values(), self._total, self._size]:
+            variable.assign(tf.zeros(variable.shape, variable.dtype))
+
+    def sum_bytes(self) -> int:
+        """The bytes the next split's gradient sums will take that are not
+        taken now (none while a split's are kept)."""
+        if self._sums:
+            return 0
+        return sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+            for v in self.model.trainable_variables
         )
 
     def share_rows(self) -> list:
@@ -292,7 +316,7 @@ class SplitBatch:
     def finish(self) -> dict:
         """Makes the one update of the pieces trained, and returns the
         step's logs (the metrics after its last micro-batch)."""
-        tf.function(self._replicated_update)(self._sparse)
+        self._update_function(self._sparse)
         logs = self._logs
         if self._replicas > 1:
             # Each replica's metrics are its own share's; read them
@@ -308,10 +332,16 @@ class SplitBatch:
         return {name: _python(value) for name, value in logs.items()}
 
     def close(self) -> None:
-        """Drops the open split's sums and batch."""
+        """Ends the open split: drops its batch and sparse parts (the sums
+        are kept for the next split)."""
+        self._shares, self._sparse, self._logs = [], {}, None
+
+    def release(self) -> None:
+        """Drops the sums and the compiled steps."""
         self._sums, self._total, self._updates = {}, None, {}
-        self._size = self._step = self._logs = None
-        self._dense, self._sparse, self._shares = set(), {}, []
+        self._size = self._step = self._update_function = None
+        self._zero = None
+        self._dense = set()
 
     def _on_every_worker(self, work):
         """`work()`'s result; under a multi-worker strategy, once every
