@@ -543,6 +543,74 @@ class CallbacksTest(tf.test.TestCase):
         self.assertEqual(rows[0], rows[1])
 
 
+class InstallTest(tf.test.TestCase):
+    """The callback's functions stand in for Keras' only during its run."""
+
+    def test_a_model_not_built_yet_trains(self):
+        x, y = _features()
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [_models.RunsOutAbove(20), keras.layers.Dense(3)]
+        )
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        split = tfmemsafe.SplitBatchOnOOM()
+        model.predict(x, batch_size=16, verbose=0, callbacks=[split])
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[split])
+        self.assertNotEmpty(split.oom_events)
+        model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+
+    def test_an_error_outside_its_functions_leaves_keras_in_charge(self):
+        x, y = _features()
+
+        class Fails(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                raise RuntimeError("a callback's own error")
+
+        model = _classifier(20)
+        with self.assertRaisesRegex(RuntimeError, "a callback's own error"):
+            model.fit(
+                x,
+                y,
+                batch_size=64,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM(), Fails()],
+            )
+        # Plain Keras again: the batch that runs out is not split.
+        with self.assertRaises(tf.errors.UnknownError):
+            model.fit(x, y, batch_size=64, verbose=0)
+        # And a new callback installs as on a fresh model.
+        split = tfmemsafe.SplitBatchOnOOM()
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[split])
+        self.assertNotEmpty(split.oom_events)
+
+    def test_run_eagerly_runs_eagerly(self):
+        class NeedsEager(keras.layers.Layer):
+            def call(self, inputs):
+                inputs.numpy()  # Only an eager tensor has it.
+                return inputs
+
+            def compute_output_shape(self, input_shape):
+                return input_shape
+
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((6,)), NeedsEager(), keras.layers.Dense(3)]
+        )
+        model.compile("adam", "mse", run_eagerly=True)
+        x, _ = _features()
+        history = model.fit(
+            x,
+            np.zeros((_ROWS, 3)),
+            batch_size=64,
+            verbose=0,
+            callbacks=[tfmemsafe.SplitBatchOnOOM()],
+        )
+        self.assertLen(history.history["loss"], 1)
+
+
 class RefusedTest(parameterized.TestCase, tf.test.TestCase):
     """What cannot be split exactly stops with `OutOfMemoryError`, saying
     why, the model as before the batch."""
@@ -713,12 +781,15 @@ class MirroredStrategyTest(tf.test.TestCase):
         result = testing.run_in_subprocess(_mirrored_split)
         self.assertNotEmpty(result["events"])
         self.assertAllClose(result["reference"], result["split"], atol=1e-6)
+        # Evaluation and prediction of the same weights, split by replica.
+        self.assertAllClose(*result["evaluated"], atol=1e-4)
+        self.assertAllClose(*result["predicted"], atol=1e-4)
 
 
 def _mirrored_split():
     strategy = _models.mirrored_on_two_cpus()
     x, y = _features()
-    weights, events = [], []
+    weights, events, evaluated, predicted = [], [], [], []
     for rows in (None, 10):
         with strategy.scope():
             model = _classifier(rows)
@@ -734,7 +805,21 @@ def _mirrored_split():
         )
         weights.append([w.tolist() for w in model.get_weights()])
         events = [str(event) for event in split.oom_events]
-    return {"reference": weights[0], "split": weights[1], "events": events}
+        evaluated.append(
+            model.evaluate(x, y, batch_size=64, verbose=0, callbacks=[split])
+        )
+        predicted.append(
+            model.predict(
+                x, batch_size=64, verbose=0, callbacks=[split]
+            ).tolist()
+        )
+    return {
+        "reference": weights[0],
+        "split": weights[1],
+        "events": events,
+        "evaluated": evaluated,
+        "predicted": predicted,
+    }
 
 
 class MicroBatchSizeTest(tf.test.TestCase):

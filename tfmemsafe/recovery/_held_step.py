@@ -120,9 +120,10 @@ class HeldSteps:
 
     def train(self, iterator):
         """`model.train_function`: the next steps' batches, trained."""
+        batches = read(iterator, self.model.steps_per_execution)
+        self._build_optimizer(batches[0])
         self._trace_on("train", iterator)
-        for batch in read(iterator, self.model.steps_per_execution):
-            self._build_optimizer(batch)
+        for batch in batches:
             logs = self._run("train", batch)
         return logs
 
@@ -143,8 +144,9 @@ class HeldSteps:
 
     def test(self, iterator):
         """`model.test_function`: the next steps' batches, evaluated."""
+        batches = read(iterator, self.model.steps_per_execution)
         self._trace_on("test", iterator)
-        for batch in read(iterator, self.model.steps_per_execution):
+        for batch in batches:
             logs = self._run("test", batch)
         return logs
 
@@ -269,6 +271,8 @@ class HeldSteps:
         metrics add up, predictions are joined, and a model's own
         `train_step` makes its own update on each slice. A slice that runs
         out is tried again smaller; those before it stand."""
+        replicas = self.strategy.num_replicas_in_sync
+        reduce = name != "predict" or replicas == 1
         outputs = self._each_piece(
             name,
             rows,
@@ -276,10 +280,33 @@ class HeldSteps:
             lambda start, end: self._reduced(
                 name,
                 self._steps[name](sliced(batch, start, end, self.strategy)),
+                reduce,
             ),
             batch=batch,
         )
-        return joined(outputs) if name == "predict" else outputs[-1]
+        if name != "predict":
+            return outputs[-1]
+        if reduce:
+            return joined(outputs)
+        # Each replica's pieces in order, then the replicas in order, as
+        # Keras joins a batch's predictions.
+        return joined(
+            [
+                joined([self._local(output)[r] for output in outputs])
+                for r in range(replicas)
+            ]
+        )
+
+    def _local(self, outputs) -> list:
+        """Per-replica `outputs` as one structure per replica."""
+        flat = [
+            self.strategy.experimental_local_results(value)
+            for value in tf.nest.flatten(outputs)
+        ]
+        return [
+            tf.nest.pack_sequence_as(outputs, [parts[r] for parts in flat])
+            for r in range(self.strategy.num_replicas_in_sync)
+        ]
 
     def _each_piece(
         self, name: str, rows: int, piece: int, run, batch=None
@@ -419,10 +446,10 @@ class HeldSteps:
             return "validation" if self.in_fit else "evaluation"
         return "prediction"
 
-    def _reduced(self, name: str, outputs):
+    def _reduced(self, name: str, outputs, reduce: bool = True):
         """Per-replica outputs as Keras reduces them: logs averaged,
-        predictions joined."""
-        if self.strategy.num_replicas_in_sync == 1:
+        predictions joined (unless `reduce` is false)."""
+        if self.strategy.num_replicas_in_sync == 1 or not reduce:
             return outputs
 
         def reduce(value):
