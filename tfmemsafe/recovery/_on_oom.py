@@ -304,6 +304,9 @@ def fit_in_step(
             "(arrays, a tf.data.Dataset or a callable). Received: x of "
             f"type {type(x).__name__}"
         )
+    if y is None and isinstance(x, tuple) and len(x) in (2, 3):
+        # `tfmemsafe.fit`'s own form of arrays: `(x, y[, sample_weight])`.
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(x)
     x, trained_at = _batched(x, batch_size)
     if trained_at != batch_size:
         batch_size = None  # A dataset now, batched.
