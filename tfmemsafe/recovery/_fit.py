@@ -79,7 +79,11 @@ def fit(
       `tfmemsafe.SplitBatchOnOOM` in its callbacks. A batch that runs out
       is trained again, in the same step, as micro-batches whose
       gradients make one update; the batch size, the data pipeline and
-      the epoch are untouched (see `SplitBatchOnOOM`).
+      the epoch are untouched (see `SplitBatchOnOOM`). The arguments
+      about shrinking (`min_batch_size`, `keep_effective_batch_size`,
+      `max_retries`, `preflight`, `memory_estimate`) do not apply. On a
+      multi-worker job, `steps_per_epoch` shrinks instead, and a
+      `PyDataset` or generator is refused.
     - Arrays (`x` and `y`, or a tuple `(x, y[, sample_weight])` as `x`),
       a `tf.data.Dataset`, or a callable `batch_size -> tf.data.Dataset`:
       the batch size shrinks, as below.
