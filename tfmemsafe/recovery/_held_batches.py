@@ -1,4 +1,5 @@
-"""Batches as Keras' step functions get them: read, sliced, joined."""
+"""Batches as Keras' step functions get them: read, sliced, joined; and
+the outputs of a step under a strategy, as Keras reduces them."""
 
 from __future__ import annotations
 
@@ -94,3 +95,32 @@ def joined(outputs):
     if len(outputs) == 1:
         return outputs[0]
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
+
+
+def reduced(strategy, name: str, outputs, reduce: bool = True):
+    """Per-replica outputs of the `name` step as Keras reduces them: logs
+    averaged, predictions joined (unless `reduce` is false)."""
+    if strategy.num_replicas_in_sync == 1 or not reduce:
+        return outputs
+
+    def one(value):
+        if not isinstance(value, tf.distribute.DistributedValues):
+            return value
+        parts = strategy.experimental_local_results(value)
+        if name == "predict":
+            return tf.concat(parts, axis=0)
+        return tf.reduce_mean(parts, axis=0)
+
+    return tf.nest.map_structure(one, outputs)
+
+
+def per_replica(strategy, outputs) -> list:
+    """Per-replica `outputs` as one structure per replica."""
+    flat = [
+        strategy.experimental_local_results(value)
+        for value in tf.nest.flatten(outputs)
+    ]
+    return [
+        tf.nest.pack_sequence_as(outputs, [parts[r] for parts in flat])
+        for r in range(strategy.num_replicas_in_sync)
+    ]

@@ -9,33 +9,26 @@ out-of-memory error (`tfmemsafe.is_oom_error`), trains the same batch
 again as micro-batches whose gradients make one update (`SplitBatch`),
 sized by `MicroBatchSize`. Nothing before the batch is replayed, no
 sample is skipped or seen twice, the data pipeline is not touched.
-`test` and `predict` do the same for `evaluate` (metrics add up over the
-micro-batches) and `predict` (the micro-batches' outputs are joined).
-
-What a failed attempt changed is put back by the run's `StepGuard`: the
-update waits until every gradient exists, and the small state (metrics,
-moving statistics, seed states) is copied before each step.
+`test` and `predict` do the same for `evaluate` and `predict`. What a
+failed attempt changed is put back by the run's `StepGuard`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 
 import keras
-import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfmemsafe import memory
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.history import GrowBackEvent
-from tfmemsafe.history import OOMEvent
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import split_refusal
 from tfmemsafe.recovery._held_batches import first_share
 from tfmemsafe.recovery._held_batches import joined
+from tfmemsafe.recovery._held_batches import per_replica
 from tfmemsafe.recovery._held_batches import read
+from tfmemsafe.recovery._held_batches import reduced
 from tfmemsafe.recovery._held_batches import rows_of
 from tfmemsafe.recovery._held_batches import share_rows
 from tfmemsafe.recovery._held_batches import sliced
@@ -43,6 +36,9 @@ from tfmemsafe.recovery._held_batches import without_optionals
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
 from tfmemsafe.recovery._policy import accumulation_steps_of
 from tfmemsafe.recovery._retry import _refuse_xla_on_cpu
+from tfmemsafe.recovery._run_record import RunRecord
+from tfmemsafe.recovery._run_record import first_line
+from tfmemsafe.recovery._run_record import one_example
 from tfmemsafe.recovery._split import SplitBatch
 
 _PHASES = ("train", "test", "predict")
@@ -82,18 +78,11 @@ class HeldSteps:
             name: MicroBatchSize(grow_back_after, limit) for name in _PHASES
         }
         self.window = memory.PeakWindow(self.devices)
-        self.oom_events = []
-        self.grow_back_events = []
-        # Where the run is, for the events: set by `SplitBatchOnOOM`.
-        self.epoch = self.step = None
-        self.in_fit = False
+        self.record = RunRecord()
         self._split = SplitBatch(model, guard, source=None)
         self._refusal = {}  # phase -> why its batches are not split.
-        # The current attempt's micro-batches begun and planned, and the
-        # errors before it, recorded as `OOMEvent`s once it says how it ran
-        # the batch.
+        # The current attempt's micro-batches begun and planned.
         self._pieces = self._planned = 0
-        self._pending = []
         self._traced = set()  # The steps traced on the data's spec.
         # The rows of the micro-batch (or whole batch) running now: what an
         # error is charged to.
@@ -191,7 +180,13 @@ class HeldSteps:
                 size.grew_back(grown, rows)
                 if name == "train" and size.rows is None:
                     self._split.release()  # Whole batches again.
-                self._grew_back(name, rows, before, grown, in_use)
+                self.record.grew_back(
+                    name,
+                    before,
+                    min(grown, rows),
+                    in_use,
+                    accumulation_steps_of(self.model),
+                )
                 size.trained()
                 return result
         while True:
@@ -221,19 +216,11 @@ class HeldSteps:
             if not memory.is_oom_error(err):
                 raise
             self.guard.restore_small_state()
-            self._record_pending()
+            self.record.settle(max(self._planned, 1))
             self._after_oom(name, err, batch, self._running)
             return _RAN_OUT
-        self._record_pending()
+        self.record.settle(max(self._planned, 1))
         return result
-
-    def _record_pending(self) -> None:
-        """The `OOMEvent`s of the errors before this attempt, with the
-        micro-batches it ran the batch as."""
-        for pending in self._pending:
-            event = OOMEvent(**pending, split_into=max(self._planned, 1))
-            self.oom_events.append(event)
-        self._pending = []
 
     def _split_train(self, batch, rows: int, piece: int):
         """`batch` as micro-batches of Keras' step and one update."""
@@ -277,7 +264,8 @@ class HeldSteps:
             name,
             rows,
             piece,
-            lambda start, end: self._reduced(
+            lambda start, end: reduced(
+                self.strategy,
                 name,
                 self._steps[name](sliced(batch, start, end, self.strategy)),
                 reduce,
@@ -292,21 +280,10 @@ class HeldSteps:
         # Keras joins a batch's predictions.
         return joined(
             [
-                joined([self._local(output)[r] for output in outputs])
+                joined([per_replica(self.strategy, out)[r] for out in outputs])
                 for r in range(replicas)
             ]
         )
-
-    def _local(self, outputs) -> list:
-        """Per-replica `outputs` as one structure per replica."""
-        flat = [
-            self.strategy.experimental_local_results(value)
-            for value in tf.nest.flatten(outputs)
-        ]
-        return [
-            tf.nest.pack_sequence_as(outputs, [parts[r] for parts in flat])
-            for r in range(self.strategy.num_replicas_in_sync)
-        ]
 
     def _each_piece(
         self, name: str, rows: int, piece: int, run, batch=None
@@ -335,7 +312,7 @@ class HeldSteps:
                 if batch is None or not memory.is_oom_error(err):
                     raise
                 self.guard.restore_small_state()
-                self._record_pending()
+                self.record.settle(max(self._planned, 1))
                 self._after_oom(name, err, batch, end - start)
                 piece = size.rows_for(rows)
                 continue
@@ -350,7 +327,7 @@ class HeldSteps:
         before = self._in_use()
         self.window.reset()
         self._running = rows
-        result = self._reduced(name, self._steps[name](batch))
+        result = reduced(self.strategy, name, self._steps[name](batch))
         self.sizes[name].measured(rows, self._peak(), before)
         return result
 
@@ -366,7 +343,7 @@ class HeldSteps:
                 "the weights, so they may be partly updated). The step is "
                 "not retried. Instead, restart from the last checkpoint "
                 "(`keras.callbacks.BackupAndRestore`) with a smaller batch "
-                f"or more free memory. The error: {_first_line(err)}",
+                f"or more free memory. The error: {first_line(err)}",
                 tried_batch_sizes=(total,),
             ) from err
         try:
@@ -376,14 +353,14 @@ class HeldSteps:
                 raise
             # One example's forward pass ran out: so would any micro-batch.
             raise OutOfMemoryError(
-                _one_example(total, probe_error), tried_batch_sizes=(total,)
+                one_example(total, probe_error), tried_batch_sizes=(total,)
             ) from probe_error
         if refusal is not None:
             raise OutOfMemoryError(
                 f"A batch of {total} ran out of memory and is not split into "
                 f"micro-batches: {refusal}, so their sum would not be the "
                 "batch's. Instead, use a smaller `batch_size`. The error: "
-                f"{_first_line(err)}",
+                f"{first_line(err)}",
                 tried_batch_sizes=(total,),
             ) from err
         in_use = self._in_use()
@@ -393,74 +370,19 @@ class HeldSteps:
         smaller = self.sizes[name].ran_out(piece, in_use)
         if smaller is None:
             raise OutOfMemoryError(
-                _one_example(total, err), tried_batch_sizes=(total,)
+                one_example(total, err), tried_batch_sizes=(total,)
             ) from err
-        pending = dict(
-            epoch=self.epoch if self.epoch is not None else 0,
-            step=self.step if self.step is not None else 0,
-            phase=self._phase(name),
-            batch_size_before=total,
-            batch_size_after=total,
-            accumulation_steps=accumulation_steps_of(self.model),
-            error=_first_line(err),
-            resumed_at_step=self.step,
-        )
-        self._pending.append(pending)
-        probe = self.sizes[name].probe_rows()
-        logging.warning(
-            "Out of memory, %s: the batch of %d runs again as micro-batches "
-            "of %s%s.",
-            _where(pending),
+        self.record.ran_out(
+            name,
+            err,
             total,
-            f"{smaller} rows"
-            if probe is None
-            else f"a size measured on a first one of {probe} rows",
-            ", for one update" if name == "train" else "",
-        )
-
-    def _grew_back(self, name, rows, before, grown, in_use) -> None:
-        event = GrowBackEvent(
-            epoch=self.epoch if self.epoch is not None else 0,
-            step=self.step if self.step is not None else 0,
-            batch_size_before=before,
-            batch_size_after=min(grown, rows),
-            accumulation_steps=accumulation_steps_of(self.model),
-            predicted=f"{_mib(in_use)} in use before the step",
-        )
-        self.grow_back_events.append(event)
-        logging.info(
-            "%s micro-batches grew back from %d to %d rows (%s).",
-            self._phase(name).capitalize(),
-            before,
-            min(grown, rows),
-            event.predicted,
+            smaller,
+            self.sizes[name].probe_rows(),
+            accumulation_steps_of(self.model),
         )
 
     def _splits_update(self) -> bool:
         return type(self.model).train_step in OWN_TRAIN_STEPS
-
-    def _phase(self, name: str) -> str:
-        if name == "train":
-            return "training"
-        if name == "test":
-            return "validation" if self.in_fit else "evaluation"
-        return "prediction"
-
-    def _reduced(self, name: str, outputs, reduce: bool = True):
-        """Per-replica outputs as Keras reduces them: logs averaged,
-        predictions joined (unless `reduce` is false)."""
-        if self.strategy.num_replicas_in_sync == 1 or not reduce:
-            return outputs
-
-        def reduce(value):
-            if not isinstance(value, tf.distribute.DistributedValues):
-                return value
-            parts = self.strategy.experimental_local_results(value)
-            if name == "predict":
-                return tf.concat(parts, axis=0)
-            return tf.reduce_mean(parts, axis=0)
-
-        return tf.nest.map_structure(reduce, outputs)
 
     def _refusal_of(self, name: str, batch) -> str | None:
         """Why `name` batches cannot be split exactly, or `None`."""
@@ -470,46 +392,18 @@ class HeldSteps:
             )
         return self._refusal[name]
 
-    # Memory readings.
-
     def _in_use(self):
-        readings = [
+        """The most bytes in use on a device of the run, or `None`."""
+        return _most(
             memory.memory_info(d, include_limit=False).current_bytes
             for d in self.devices
-        ]
-        return None if None in readings else max(readings)
+        )
 
     def _peak(self):
-        readings = [self.window.peak_bytes(d) for d in self.devices]
-        return None if None in readings else max(readings)
+        """The highest peak since `window.reset()`, or `None`."""
+        return _most(self.window.peak_bytes(d) for d in self.devices)
 
 
-def _one_example(rows: int, err) -> str:
-    return (
-        f"A batch of {rows} ran out of memory even as micro-batches of one "
-        "example. Instead, try mixed precision, gradient checkpointing "
-        "(`tfmemsafe.checkpoint_blocks`), a frozen backbone or a smaller "
-        f"model. The error: {_first_line(err)}"
-    )
-
-
-def _first_line(err) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' bold.
-    lines = [line for line in text.splitlines() if line.strip()]
-    for line in lines:
-        if "OOM" in line or "memory" in line.lower():
-            return line.strip()
-    return lines[0].strip() if lines else type(err).__name__
-
-
-def _where(pending: dict) -> str:
-    return (
-        f"epoch {pending['epoch'] + 1}, {pending['phase']} step "
-        f"{pending['step']}"
-    )
-
-
-def _mib(num_bytes) -> str:
-    if num_bytes is None:
-        return "unknown"
-    return f"{np.asarray(num_bytes) / 2**20:.1f} MiB"
+def _most(readings):
+    readings = list(readings)
+    return None if None in readings else max(readings)

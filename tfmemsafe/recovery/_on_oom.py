@@ -130,7 +130,7 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         name = f"{phase}_function"
         self._keras_functions[name] = getattr(self.model, name)
         setattr(self.model, name, self._closing_on_error(phase))
-        self._held.in_fit = "train" in self._phases
+        self._held.record.in_fit = "train" in self._phases
 
     def _end(self, phase: str) -> None:
         if not self._phases or self._phases[-1] != phase:
@@ -176,8 +176,8 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         if _OWNERS.get(self.model) is self:
             del _OWNERS[self.model]
         if self._held is not None:
-            self.oom_events = self._held.oom_events
-            self.grow_back_events = self._held.grow_back_events
+            self.oom_events = self._held.record.oom_events
+            self.grow_back_events = self._held.record.grow_back_events
         if self._guard is not None:
             self._guard.close()
         self._held = self._guard = None
@@ -238,22 +238,22 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._held is not None:
-            self._held.epoch = epoch
+            self._held.record.epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_began = True
         if self._held is not None:
-            self._held.step = batch
+            self._held.record.step = batch
 
     def on_test_batch_begin(self, batch, logs=None):
         self._batch_began = True
         if self._held is not None:
-            self._held.step = batch
+            self._held.record.step = batch
 
     def on_predict_batch_begin(self, batch, logs=None):
         self._batch_began = True
         if self._held is not None:
-            self._held.step = batch
+            self._held.record.step = batch
 
     def _reset(self) -> None:
         """Closes a run an error ended (Keras calls no `on_*_end` then)."""

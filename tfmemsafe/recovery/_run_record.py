@@ -1,0 +1,116 @@
+"""What a run of `SplitBatchOnOOM` records: `RunRecord`.
+
+Where the run is (epoch, step, inside a `fit` or not), the errors it
+recovered from, waiting for the attempt after them to say how many
+micro-batches the batch ran as, and the `OOMEvent`s and `GrowBackEvent`s;
+with the one line each logs and the messages `OutOfMemoryError` gives.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from absl import logging
+
+from tfmemsafe.history import GrowBackEvent
+from tfmemsafe.history import OOMEvent
+
+
+class RunRecord:
+    """The events of one run, and where it is."""
+
+    def __init__(self):
+        self.oom_events = []
+        self.grow_back_events = []
+        # Set by `SplitBatchOnOOM` from Keras' hooks.
+        self.epoch = self.step = None
+        self.in_fit = False
+        # Errors waiting for the next attempt's micro-batch count.
+        self._pending = []
+
+    def phase(self, name: str) -> str:
+        """The phase a step function (`"train"`, `"test"`, `"predict"`)
+        runs, in `OOMEvent`'s words."""
+        if name == "train":
+            return "training"
+        if name == "test":
+            return "validation" if self.in_fit else "evaluation"
+        return "prediction"
+
+    def ran_out(self, name, err, rows, smaller, probe, accumulation_steps):
+        """Logs an error recovered from, whose event waits for `settle`."""
+        pending = dict(
+            epoch=self.epoch or 0,
+            step=self.step or 0,
+            phase=self.phase(name),
+            batch_size_before=rows,
+            batch_size_after=rows,
+            accumulation_steps=accumulation_steps,
+            error=first_line(err),
+            resumed_at_step=self.step,
+        )
+        self._pending.append(pending)
+        logging.warning(
+            "Out of memory, epoch %d, %s step %d: the batch of %d runs again "
+            "as micro-batches of %s%s.",
+            pending["epoch"] + 1,
+            pending["phase"],
+            pending["step"],
+            rows,
+            f"{smaller} rows"
+            if probe is None
+            else f"a size measured on a first one of {probe} rows",
+            ", for one update" if name == "train" else "",
+        )
+
+    def settle(self, pieces: int) -> None:
+        """Records the waiting errors' events: the attempt after them ran
+        (or planned) `pieces` micro-batches."""
+        for pending in self._pending:
+            self.oom_events.append(OOMEvent(**pending, split_into=pieces))
+        self._pending = []
+
+    def grew_back(self, name, before, after, in_use, accumulation_steps):
+        event = GrowBackEvent(
+            epoch=self.epoch or 0,
+            step=self.step or 0,
+            batch_size_before=before,
+            batch_size_after=after,
+            accumulation_steps=accumulation_steps,
+            predicted=f"{_mib(in_use)} in use before the step",
+        )
+        self.grow_back_events.append(event)
+        logging.info(
+            "%s micro-batches grew back from %d to %d rows (%s).",
+            self.phase(name).capitalize(),
+            before,
+            after,
+            event.predicted,
+        )
+
+
+def one_example(rows: int, err) -> str:
+    """The message of a batch that runs out even one example at a time."""
+    return (
+        f"A batch of {rows} ran out of memory even as micro-batches of one "
+        "example. Instead, try mixed precision, gradient checkpointing "
+        "(`tfmemsafe.checkpoint_blocks`), a frozen backbone or a smaller "
+        f"model. The error: {first_line(err)}"
+    )
+
+
+def first_line(err) -> str:
+    """The line of `err` that says what ran out."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' bold.
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "OOM" in line or "memory" in line.lower():
+            return line.strip()
+    return lines[0].strip() if lines else type(err).__name__
+
+
+def _mib(num_bytes) -> str:
+    if num_bytes is None:
+        return "unknown"
+    return f"{np.asarray(num_bytes) / 2**20:.1f} MiB"
