@@ -171,7 +171,7 @@ class HeldSteps:
         `MicroBatchSize` says; again in smaller ones after an OOM."""
         size = self.sizes[name]
         rows = rows_of(batch)
-        in_use = self._in_use()
+        in_use = self._in_use() if size.grow_back_due() else None
         grown = size.grow_back_rows(in_use)
         if grown is not None:
             before = size.rows_for(rows)
@@ -236,12 +236,11 @@ class HeldSteps:
                 for index in range(pieces):
                     bounds = split.uniform_bounds(index, pieces)
                     largest = max(end - start for start, end in bounds)
-                    before = self._in_use()
-                    self.window.reset()
-                    self._pieces += 1
-                    self._running = largest
-                    split.train_piece(bounds)
-                    size.measured(largest, self._peak(), before)
+                    self._measured(
+                        "train",
+                        largest,
+                        lambda bounds=bounds: split.train_piece(bounds),
+                    )
             else:
                 self._each_piece(
                     "train",
@@ -302,12 +301,10 @@ class HeldSteps:
             self._planned += math.ceil((rows - end) / size.rows_for(rows))
             if batch is not None:
                 self.guard.save_small_state()
-            before = self._in_use()
-            self.window.reset()
-            self._pieces += 1
-            self._running = end - start
             try:
-                result = run(start, end)
+                result = self._measured(
+                    name, end - start, lambda s=start, e=end: run(s, e)
+                )
             except Exception as err:  # noqa: BLE001 (re-raised unless OOM)
                 if batch is None or not memory.is_oom_error(err):
                     raise
@@ -317,17 +314,27 @@ class HeldSteps:
                 piece = size.rows_for(rows)
                 continue
             results.append(result)
-            size.measured(end - start, self._peak(), before)
             if probe:
                 piece = size.rows_for(rows)
             start = end
         return results
 
     def _measured_step(self, name: str, batch, rows: int):
+        return self._measured(
+            name,
+            rows,
+            lambda: reduced(self.strategy, name, self._steps[name](batch)),
+        )
+
+    def _measured(self, name: str, rows: int, run):
+        """`run()`, a (micro-)batch of `rows`: an error in it is charged to
+        `rows`, and its peak above what was in use before goes to
+        `MicroBatchSize`."""
         before = self._in_use()
         self.window.reset()
+        self._pieces += 1
         self._running = rows
-        result = reduced(self.strategy, name, self._steps[name](batch))
+        result = run()
         self.sizes[name].measured(rows, self._peak(), before)
         return result
 

@@ -99,14 +99,19 @@ class MicroBatchSize:
         self.rows = max(1, self._below_failures(fitting, in_use_bytes))
         return self.rows
 
+    def grow_back_due(self) -> bool:
+        """Whether enough clean steps went by for `grow_back_rows` to ask
+        what is in use."""
+        return (
+            self.rows is not None
+            and self._wait is not None
+            and self.clean_steps >= self._wait
+        )
+
     def grow_back_rows(self, in_use_bytes) -> int | None:
         """The micro-batch rows to try on this step instead of the current
         ones, or `None` to stay."""
-        if (
-            self.rows is None
-            or self._wait is None
-            or self.clean_steps < self._wait
-        ):
+        if not self.grow_back_due():
             return None
         larger = 2 * self.rows
         if self._below_failures(larger, in_use_bytes) < larger:
