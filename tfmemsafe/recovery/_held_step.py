@@ -20,6 +20,7 @@ import math
 import keras
 import tensorflow as tf
 
+from tfmemsafe import _compat
 from tfmemsafe import memory
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
@@ -80,6 +81,9 @@ class HeldSteps:
         self.window = memory.PeakWindow(self.devices)
         self.record = RunRecord()
         self._split = SplitBatch(model, guard, source=None)
+        # Read now, while memory is free: after an error the refusal reads
+        # it, and its probe converts host arrays to tensors.
+        _compat.activity_regularization_is_a_mean()
         self._refusal = {}  # phase -> why its batches are not split.
         # The current attempt's micro-batches begun and planned.
         self._pieces = self._planned = 0
