@@ -232,40 +232,5 @@ def absl_messages(level="WARNING"):
         logging.set_verbosity(verbosity)
 
 
-class RunsOutAbove(keras.layers.Layer):
-    """Passes its input through, and raises TensorFlow's out-of-memory
-    error when the batch has more than `rows` rows (never for `None`).
-
-    The error comes from inside the compiled step, at once (a real
-    allocator failure costs 10 s): `tf.py_function` raises it with the
-    message shape of a failed allocation, which `tfmemsafe.is_oom_error`
-    recognises. For exact comparisons of split and whole batches;
-    real-cap tests cover the allocator's own error.
-    """
-
-    def __init__(self, rows=None, **kwargs):
-        super().__init__(**kwargs)
-        self.rows = rows
-
-    def call(self, inputs):
-        def check(count):
-            if self.rows is not None and int(count) > self.rows:
-                raise tf.errors.ResourceExhaustedError(
-                    None,
-                    None,
-                    f"OOM when allocating tensor with shape[{int(count)},4096]",
-                )
-            return np.float32(0.0)
-
-        first = tf.nest.flatten(inputs)[0]
-        zero = tf.py_function(check, [tf.shape(first)[0]], tf.float32)
-        zero.set_shape(())
-        return tf.nest.map_structure(
-            lambda t: t + tf.cast(zero, t.dtype), inputs
-        )
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        return {**super().get_config(), "rows": self.rows}
+# The layer that runs out inside the step above some rows.
+RunsOutAbove = testing.OutOfMemoryAbove

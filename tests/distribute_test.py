@@ -5,9 +5,6 @@ Each test starts a cluster of two worker processes on localhost with
 only). Workers that outlive the test's timeout are killed.
 """
 
-import shutil
-import tempfile
-
 import _models
 import numpy as np
 import tensorflow as tf
@@ -16,7 +13,6 @@ from absl.testing import parameterized
 import tfmemsafe
 from tfmemsafe import distribute
 from tfmemsafe import testing
-from tfmemsafe.recovery import _backup
 
 _GLOBAL_BATCH = 8
 _SAMPLES = 72  # 9 global batches: windows of 2 leave one to flush.
@@ -37,12 +33,13 @@ def _data():
     return x, y
 
 
-def _model(accumulation_steps):
+def _model(accumulation_steps, runs_out_above=None):
     import keras
 
     keras.utils.set_random_seed(1)
     inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    hidden = _models.RunsOutAbove(runs_out_above)(inputs)
+    hidden = keras.layers.Dense(8, activation="relu")(hidden)
     outputs = keras.layers.Dense(1)(hidden)
     model = tfmemsafe.AccumulatingModel(
         inputs, outputs, accumulation_steps=accumulation_steps
@@ -57,16 +54,25 @@ def _report(model, history):
         "mae": history.history["mae"],
         "weights": [w.tolist() for w in model.get_weights()],
         "iterations": int(model.optimizer.iterations.numpy()),
+        "split_into": [
+            event.split_into for event in getattr(history, "oom_events", [])
+        ],
     }
 
 
-def _train_both_ways(multi_worker, epochs=2):
-    """Trains with model.fit and with tfmemsafe.fit; reports both."""
+def _train_both_ways(multi_worker, epochs=2, runs_out_above=None):
+    """Trains with model.fit and with tfmemsafe.fit; reports both. With
+    `runs_out_above`, worker 1's replica of the model `tfmemsafe.fit`
+    trains runs out of memory on more rows than that."""
     strategy = _strategy(multi_worker)
     x, y = _data()
+    worker = distribute.worker_index(strategy)
     with strategy.scope():
         keras_model = _model(accumulation_steps=2)
-        ours = _model(accumulation_steps=2)
+        ours = _model(
+            accumulation_steps=2,
+            runs_out_above=runs_out_above if worker == 1 else None,
+        )
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA
@@ -120,6 +126,15 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
         cls.workers = testing.run_workers(
             _train_both_ways, 2, args=[True], env=_CPU_ONLY, timeout=_TIMEOUT
         )
+        # Worker 1 runs out on its 4 rows of each batch of 8, worker 0 not.
+        cls.split = testing.run_workers(
+            _train_both_ways,
+            2,
+            args=[True],
+            kwargs={"runs_out_above": 2},
+            env=_CPU_ONLY,
+            timeout=_TIMEOUT,
+        )
 
     def test_workers_know_their_place(self):
         self.assertFalse(self.reference["multi_worker"])
@@ -150,6 +165,22 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
             self.assertEqual(worker[how]["iterations"], 10)
         self.assertEqual(self.reference[how]["iterations"], 10)
 
+    def test_one_workers_oom_splits_the_batch_alike_on_every_worker(self):
+        expected = self.reference["model.fit"]
+        for worker in self.split:
+            result = worker["tfmemsafe.fit"]
+            for got, want in zip(
+                result["weights"], expected["weights"], strict=True
+            ):
+                self.assertAllClose(got, want, atol=1e-5, rtol=1e-5)
+            self.assertAllClose(result["loss"], expected["loss"], atol=1e-5)
+            self.assertEqual(result["iterations"], 10)
+            self.assertNotEmpty(result["split_into"])
+        self.assertEqual(
+            self.split[0]["tfmemsafe.fit"]["split_into"],
+            self.split[1]["tfmemsafe.fit"]["split_into"],
+        )
+
     def test_keras_alone_still_fails_here(self):
         # When this fails, Keras has fixed the upstream bug and the
         # workaround in tfmemsafe.distribute can go.
@@ -159,67 +190,6 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
         for error in errors:
             self.assertIsNotNone(error)
             self.assertIn("PerReplica", error)
-
-
-def _train_with_backup(batch_size, backup_dir, hog_mb=0, epochs=3):
-    """Trains a conv net; worker 1 fills its memory at epoch 1 if asked."""
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    hog = _models.MemoryHog(hog_mb, distribute.worker_index(strategy))
-    x, y = _models.worker_images()
-    with strategy.scope():
-        model = _models.worker_conv_net()
-    try:
-        history = tfmemsafe.fit(
-            model,
-            (x, y),
-            batch_size=batch_size,
-            epochs=epochs,
-            callbacks=[
-                distribute.MultiWorkerBackupAndRestore(backup_dir),
-                hog,
-            ],
-            shuffle=False,
-            verbose=0,
-        )
-    except tfmemsafe.OutOfMemoryError as err:
-        return {"error": str(err)}
-    return {
-        "loss": history.history["loss"],
-        "finite": bool(all(np.isfinite(w).all() for w in model.get_weights())),
-    }
-
-
-class MultiWorkerOutOfMemoryTest(tf.test.TestCase):
-    def test_one_workers_oom_stops_all_and_a_restart_resumes(self):
-        backup_dir = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, backup_dir, ignore_errors=True)
-        capped = testing.memory_cap_environment(300)
-        failed = testing.run_workers(
-            _train_with_backup,
-            2,
-            args=[64, backup_dir],
-            kwargs={"hog_mb": 290},
-            env=_CPU_ONLY,
-            worker_env=[{}, capped],
-            timeout=_TIMEOUT,
-        )
-        for result in failed:
-            self.assertIn("Out of memory on worker 1 of 2", result["error"])
-            self.assertIn("MultiWorkerBackupAndRestore", result["error"])
-        # Worker 0 stopped on worker 1's report (which names worker 1),
-        # not after its own collective timed out.
-        self.assertEqual(failed[0]["error"], failed[1]["error"])
-        resumed = testing.run_workers(
-            _train_with_backup,
-            2,
-            args=[32, backup_dir],
-            env=_CPU_ONLY,
-            timeout=_TIMEOUT,
-        )
-        for result in resumed:
-            # Epoch 0 was backed up before the OOM; epochs 1 and 2 remain.
-            self.assertLen(result["loss"], 2)
-            self.assertTrue(result["finite"])
 
 
 class HelpersTest(tf.test.TestCase):
@@ -235,33 +205,6 @@ class HelpersTest(tf.test.TestCase):
             testing.run_workers(_data, 0)
         with self.assertRaisesRegex(ValueError, r"`worker_env` must have"):
             testing.run_workers(_data, 2, worker_env=[{}])
-
-
-class StoredDecisionTest(tf.test.TestCase):
-    """The size a stopped job stores with its backup, read on restart."""
-
-    def _decisions(self, planned):
-        import keras
-
-        backup = keras.callbacks.BackupAndRestore(self.get_temp_dir())
-        return _backup.Decisions([backup], planned=planned)
-
-    def test_a_memory_plan_applies_in_proportion_to_the_new_plan(self):
-        # Stopped at 146 (the first bucket's batch), halved to 73; the
-        # restart planned 150 for the first bucket.
-        self._decisions(planned=True).store(146, [146, 73], 4)
-        tried, steps, _ = self._decisions(planned=True).load(150)
-        self.assertEqual((tried, steps), ([150, 75], 4))
-
-    def test_another_batch_size_or_kind_of_run_ignores_the_stored_one(self):
-        self._decisions(planned=False).store(256, [256, 128], None)
-        with self.assertLogs(level="WARNING") as logs:
-            self.assertIsNone(self._decisions(planned=False).load(512))
-            self.assertIsNone(self._decisions(planned=True).load(256))
-        self.assertIn("decided for batch_size=256", logs.output[0])
-        self.assertIn("this run asks for auto", logs.output[1])
-        tried, _, _ = self._decisions(planned=False).load(256)
-        self.assertEqual(tried, [256, 128])
 
 
 if __name__ == "__main__":

@@ -623,19 +623,23 @@ def residual_net_under_cap():
     return None
 
 
-class _RaiseOnce(keras.callbacks.Callback):
-    """Raises `error` at the first training batch of the given size."""
+class _RaisesAbove(keras.layers.Layer):
+    """Raises an `InvalidArgumentError` with `message` inside the step, on
+    batches of more than `rows` rows."""
 
-    def __init__(self, error, batch_size):
-        super().__init__()
-        self.error = error
-        self.batch_size = batch_size
-        self.raised = False
+    def __init__(self, message, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.message, self.rows = message, rows
 
-    def on_train_batch_begin(self, batch, logs=None):
-        if not self.raised and self.params["steps"] == 2048 // self.batch_size:
-            self.raised = True
-            raise self.error
+    def call(self, inputs):
+        def check(count):
+            if int(count) > self.rows:
+                raise tf.errors.InvalidArgumentError(None, None, self.message)
+            return np.float32(0.0)
+
+        zero = tf.py_function(check, [tf.shape(inputs)[0]], tf.float32)
+        zero.set_shape(())
+        return inputs + zero
 
 
 class RealOutOfMemoryTest(tf.test.TestCase):
@@ -648,24 +652,24 @@ class RealOutOfMemoryTest(tf.test.TestCase):
         self.assertTrue(raised["is_oom"])
 
         # Under the cap, TensorFlow 2.21 itself crashes (SIGSEGV) when the
-        # retry at 512 fails to allocate that constant a second time, so
-        # the retry is checked here, uncapped, on the child's real error.
-        error = tf.errors.InvalidArgumentError(None, None, raised["message"])
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        # retry fails to allocate that constant a second time, so the
+        # retry is checked here, uncapped, on the child's real error,
+        # raised inside the step on batches of more than 512.
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                _RaisesAbove(raised["message"], 512),
+                keras.layers.Dense(1),
+            ]
+        )
         model.compile("sgd", "mse")
         x = np.zeros((2048, 4), "float32")
         y = np.zeros((2048, 1), "float32")
-        history = tfmemsafe.fit(
-            model,
-            (x, y),
-            batch_size=1024,
-            epochs=1,
-            callbacks=[_RaiseOnce(error, 1024)],
-            verbose=0,
-        )
-        self.assertLen(history.oom_events, 1)
-        self.assertEqual(history.oom_events[0].batch_size_after, 512)
-        self.assertEqual(history.batch_size, 512)
+        history = tfmemsafe.fit(model, x, y, batch_size=1024, verbose=0)
+        self.assertNotEmpty(history.oom_events)
+        self.assertGreaterEqual(history.oom_events[0].split_into, 2)
+        self.assertEqual(history.oom_events[0].batch_size_after, 1024)
+        self.assertEqual(history.batch_size, 1024)
         self.assertLen(history.history["loss"], 1)
 
 

@@ -1,14 +1,7 @@
-"""Tests for tfmemsafe._model_state: a model's state on disk, put back.
-
-The real-cap test that puts 63 MiB back with 4 MB free is in
-recovery_test (`test_memory_held_for_good_gives_up_and_puts_the_state_back`).
-`ReserveTest` puts a state back with less than a piece free.
-"""
+"""Tests for tfmemsafe._model_state: a model's state on disk, put back."""
 
 import os
 from unittest import mock
-
-import _models
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
 # be chosen before TensorFlow is imported.
@@ -18,7 +11,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import tfmemsafe  # noqa: E402
 from tfmemsafe import _model_state  # noqa: E402
 
 
@@ -118,67 +110,6 @@ class SnapshotTest(tf.test.TestCase):
         copy.restore()
         copy.close()
         self.assertAllEqual(variable.numpy(), np.arange(10))
-
-
-def _filled():
-    """Tensors of 1 MiB that take the allocator until one more cannot
-    be had: less than a saved piece is left free."""
-    held = []
-    try:
-        while True:
-            held.append(tf.zeros((2**20 // 4,)))
-    except tf.errors.ResourceExhaustedError:
-        return held
-
-
-def restore_with_nothing_free(reserve):
-    """Puts a state back with the allocator full but for what a `Reserve`
-    let go (with `reserve`): whether every value came back."""
-    model = _conv_net()
-    saved, snapshot = _saved_then_overwritten(model)
-    kept = _model_state.Reserve(["CPU:0"])
-    if reserve:
-        kept.take()
-    taken = bool(kept.tensors)
-    held = _filled()
-    kept.release()
-    try:
-        snapshot.restore()
-    except tf.errors.ResourceExhaustedError:
-        return {"taken": taken, "restored": False}
-    del held  # Reading a variable back to compare it needs a copy.
-    restored = all(
-        np.array_equal(variable.numpy(), value)
-        for variable, value in zip(_state(model), saved, strict=True)
-    )
-    return {"taken": taken, "restored": restored}
-
-
-class ReserveTest(tf.test.TestCase):
-    """Under a real cap, with everything else taken by other tensors."""
-
-    def test_a_reserve_lets_the_state_back_with_the_allocator_full(self):
-        with_reserve, without = _models.side_by_side(
-            restore_with_nothing_free, [[True], [False]], cap_mb=120
-        )
-        self.assertTrue(with_reserve["taken"], msg=with_reserve)
-        self.assertTrue(with_reserve["restored"], msg=with_reserve)
-        # Without it, not one 1 MiB piece could be read back.
-        self.assertFalse(without["restored"], msg=without)
-
-    def test_no_reserve_is_taken_where_there_is_no_room(self):
-        kept = _model_state.Reserve(["CPU:0"])
-        with mock.patch.object(
-            _model_state.memory,
-            "memory_info",
-            return_value=tfmemsafe.MemoryInfo("CPU:0", 100, 100, 101),
-        ):
-            kept.take()
-        self.assertEqual(kept.tensors, {})
-        kept.take()  # Room now (the real allocator's statistics).
-        self.assertLen(kept.tensors, 1)
-        kept.release()
-        self.assertEqual(kept.tensors, {})
 
 
 if __name__ == "__main__":

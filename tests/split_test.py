@@ -1,9 +1,11 @@
-"""Tests for splitting the one batch that ran out (`recovery/_split.py`).
+"""Tests for splitting a batch that ran out (`recovery/_split.py`) on
+examples of varying length.
 
-`tfmemsafe.fit(batch_size="auto")` on examples of varying length, with
-the memory buckets planned from a hand-built estimate (no probe), and an
-out-of-memory error injected at one step; the real-cap scenario of a
-batch that runs out while memory is held is in buckets_test.
+`tfmemsafe.fit(batch_size="auto")` on examples in memory buckets planned
+from a hand-built estimate (no probe), with a model whose first layer runs
+out of memory on batches of more rows than it allows: the buckets' large
+batches split, the others train whole. The real-cap scenario of a batch
+that runs out while memory is held is in buckets_test.
 """
 
 import concurrent.futures
@@ -48,12 +50,16 @@ class OwnStep(keras.Sequential):
         return super().train_step(data)
 
 
-def _model(accumulation=None, kind=keras.Sequential, strategy=None):
+def _model(
+    accumulation=None, kind=keras.Sequential, strategy=None, runs_out_above=None
+):
     """The model; `accumulation`: its `accumulation_steps`, or a dict of
     `with_gradient_accumulation`'s keywords (an update size); built and
-    compiled under `strategy`, if any."""
+    compiled under `strategy`, if any; running out of memory on batches
+    (or replica shares) of more than `runs_out_above` rows."""
+    first = [_models.RunsOutAbove(runs_out_above)]
     with strategy.scope() if strategy else contextlib.nullcontext():
-        return _built(accumulation, kind)
+        return _built(accumulation, kind, first=first)
 
 
 def _built(accumulation, kind, first=(), vocabulary=100):
@@ -106,29 +112,7 @@ def _reference(accumulation=None, epochs=1, strategy=None):
     return model, history.history
 
 
-class _RunsOut(keras.callbacks.Callback):
-    """Raises an OOM `times` times when training step `step` of epoch 0
-    begins (a retry, or a split, of the step begins it again)."""
-
-    def __init__(self, step, times):
-        super().__init__()
-        self.step, self.times = step, times
-        self.epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == (0, self.step) and self.times:
-            self.times -= 1
-            raise tf.errors.ResourceExhaustedError(
-                None, None, "OOM when allocating tensor (injected)"
-            )
-
-
-def _fit(
-    model, callbacks=(), shuffled=False, epochs=1, per_token=False, **kwargs
-):
+def _fit(model, shuffled=False, epochs=1, per_token=False, **kwargs):
     with mock.patch.object(
         tfmemsafe.data, "memory_buckets", return_value=_buckets(model)
     ):
@@ -137,7 +121,6 @@ def _fit(
             _examples(shuffled, per_token),
             batch_size="auto",
             epochs=epochs,
-            callbacks=list(callbacks),
             verbose=0,
             **kwargs,
         )
@@ -145,33 +128,26 @@ def _fit(
 
 class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(
-        ("plain", None, 3),
-        # The epoch's last batch: no `model.fit` call is left to end it.
-        ("plain_last_batch", None, 6),
-        # The failed batch is a window's second micro-batch; its first.
-        ("accumulating_mid_window", 2, 3),
-        ("accumulating_window_start", 2, 2),
+        ("plain", None, False),
+        # Batches in a new order each pass: nothing is read again.
+        ("data_in_a_new_order_each_pass", None, True),
+        ("accumulating", 2, False),
         # Windows of 300 tokens or more: 2 to 3 batches of 128 to 640.
-        ("tokens_per_update", {"tokens_per_update": 300}, 3),
+        ("tokens_per_update", {"tokens_per_update": 300}, False),
     )
     def test_a_split_batch_makes_the_update_of_the_whole_batch(
-        self, accumulation, step
+        self, accumulation, shuffled
     ):
         expected, logs = _reference(accumulation, epochs=2)
-        model = _model(accumulation)
-        with self.assertLogs(level="WARNING") as logged:
-            history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
-        (event,) = history.oom_events
-        self.assertEqual(event.split_into, 2)
-        self.assertEqual(event.resumed_at_step, step)
-        self.assertEqual(event.batch_size_after, event.batch_size_before)
-        self.assertEqual(history.batch_size, 16)
-        self.assertIn("split into 2 micro-batches", str(event))
-        lines = [line for line in logged.output if "tfmemsafe.fit" in line]
-        self.assertLen(lines, 1)
-        self.assertIn(
-            "as 2 micro-batches accumulated into one update", lines[0]
-        )
+        model = _model(accumulation, runs_out_above=8)
+        history = _fit(model, shuffled=shuffled, epochs=2)
+        self.assertNotEmpty(history.oom_events)
+        for event in history.oom_events:
+            self.assertGreaterEqual(event.split_into, 2)
+            self.assertEqual(event.batch_size_after, event.batch_size_before)
+        self.assertEqual(history.batch_size, None)
+        if shuffled:
+            return  # Another order: other updates, every one exact.
         for got, want in zip(
             model.get_weights(), expected.get_weights(), strict=True
         ):
@@ -186,35 +162,24 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
             int(expected.optimizer.iterations.numpy()),
         )
 
-    def test_a_micro_batch_that_runs_out_splits_the_batch_finer(self):
-        expected, _ = _reference()
-        model = _model()
-        history = _fit(model, [_RunsOut(step=1, times=3)])
-        self.assertEqual([e.split_into for e in history.oom_events], [2, 4, 8])
-        self.assertEqual({e.step for e in history.oom_events}, {1})
-        for got, want in zip(
-            model.get_weights(), expected.get_weights(), strict=True
-        ):
-            self.assertAllClose(got, want, rtol=1e-5, atol=1e-6)
+    def test_a_train_step_of_its_own_runs_once_per_micro_batch(self):
+        model = _model(kind=OwnStep, runs_out_above=8)
+        history = _fit(model)
+        self.assertNotEmpty(history.oom_events)
+        reference, _ = _reference()
+        # Each micro-batch made its own update.
+        self.assertGreater(
+            int(model.optimizer.iterations.numpy()),
+            int(reference.optimizer.iterations.numpy()),
+        )
 
-    @parameterized.named_parameters(
-        ("data_in_a_new_order_each_pass", True, keras.Sequential),
-        ("a_train_step_of_its_own", False, OwnStep),
-    )
-    def test_shrinks_every_bucket_instead_for(self, shuffled, kind):
-        model = _model(kind=kind)
-        history = _fit(model, [_RunsOut(step=2, times=1)], shuffled=shuffled)
-        (event,) = history.oom_events
-        self.assertIsNone(event.split_into)
-        self.assertEqual(event.batch_size_after, event.batch_size_before // 2)
-        self.assertIsNone(event.resumed_at_step)
-
-    def test_a_loss_over_unmasked_tokens_shrinks_every_bucket_instead(self):
+    def test_a_loss_over_unmasked_tokens_is_refused(self):
         # Its loss averages over a micro-batch's tokens, not its rows.
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [
                 keras.Input((None,), dtype="int32"),
+                _models.RunsOutAbove(8),
                 keras.layers.Embedding(100, 8, mask_zero=True),
                 keras.layers.Dense(3),
             ]
@@ -222,16 +187,16 @@ class SplitBatchTest(parameterized.TestCase, tf.test.TestCase):
         model.compile(
             "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         )
-        history = _fit(model, [_RunsOut(step=2, times=1)], per_token=True)
-        (event,) = history.oom_events
-        self.assertIsNone(event.split_into)
-        self.assertEqual(event.batch_size_after, event.batch_size_before // 2)
-
-    def test_a_split_spends_a_retry(self):
         with self.assertRaisesRegex(
-            tfmemsafe.OutOfMemoryError, "`max_retries` is used up"
+            tfmemsafe.OutOfMemoryError, "outputs carry a mask"
         ):
-            _fit(_model(), [_RunsOut(step=2, times=1)], max_retries=0)
+            _fit(model, per_token=True)
+
+    def test_max_retries_stops_the_run(self):
+        with self.assertRaisesRegex(
+            tfmemsafe.OutOfMemoryError, "`max_retries=0` errors"
+        ):
+            _fit(_model(runs_out_above=8), max_retries=0)
 
     def test_the_event_says_what_was_split(self):
         event = tfmemsafe.OOMEvent(
@@ -290,26 +255,28 @@ def _assert_the_update_of_the_whole_batch(test, result):
     test.assertEqual(*result["iterations"])
 
 
-def split_under_a_mirrored_strategy(step, accumulation=None):
+def split_under_a_mirrored_strategy(runs_out_above, accumulation=None):
     """The split test's run under a `MirroredStrategy` of two CPU
     devices, beside plain `model.fit` under the same (in a fresh process:
     the devices are set before TensorFlow makes its own)."""
     strategy = _models.mirrored_on_two_cpus()
     expected, logs = _reference(accumulation, epochs=2, strategy=strategy)
-    model = _model(accumulation, strategy=strategy)
-    history = _fit(model, [_RunsOut(step=step, times=1)], epochs=2)
+    model = _model(
+        accumulation, strategy=strategy, runs_out_above=runs_out_above
+    )
+    history = _fit(model, epochs=2)
     return _compared(model, history, expected, logs)
 
 
-# (step, accumulation) of each run under a `MirroredStrategy`, as the
-# single-device test's cases: the epoch's last batch (11 examples, shared
-# 6 and 5), a window's second and first micro-batch, windows of tokens.
+# (runs_out_above, accumulation) of each run under a `MirroredStrategy`:
+# replica shares of more than 4 rows (of 8 a replica) or of more than 5
+# (the 11 examples of an epoch's last batch, shared 6 and 5) run out; also
+# into windows of 2 batches, and of tokens.
 _MIRRORED = {
-    "plain": (3, None),
-    "plain_last_batch": (6, None),
-    "accumulating_mid_window": (3, 2),
-    "accumulating_window_start": (2, 2),
-    "tokens_per_update": (3, {"tokens_per_update": 300}),
+    "plain": (4, None),
+    "plain_last_batch": (5, None),
+    "accumulating": (4, 2),
+    "tokens_per_update": (4, {"tokens_per_update": 300}),
 }
 
 
@@ -328,12 +295,12 @@ class MirroredStrategyTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.parameters(*_MIRRORED)
     def test_a_split_batch_makes_the_update_of_the_whole_batch(self, name):
         result = self.results[name]
-        step = _MIRRORED[name][0]
-        (event,) = result["events"]
-        self.assertEqual(event["split_into"], 2, result)
-        self.assertEqual(event["resumed_at_step"], step)
-        self.assertEqual(event["batch_size_after"], event["batch_size_before"])
-        self.assertEqual(result["batch_size"], 16)
+        self.assertNotEmpty(result["events"])
+        for event in result["events"]:
+            self.assertGreaterEqual(event["split_into"], 2, result)
+            self.assertEqual(
+                event["batch_size_after"], event["batch_size_before"]
+            )
         _assert_the_update_of_the_whole_batch(self, result)
 
 
@@ -374,12 +341,6 @@ class SharesTest(tf.test.TestCase):
             for rows, share in zip(rows_list, shares, strict=True):
                 got = np.diff(_split._shares(rows, int(replicas))).tolist()
                 self.assertEqual(got, share, (rows, replicas))
-
-    def test_a_piece_keeps_a_row_of_every_share(self):
-        self.assertEqual(_split._most_pieces(16, 1), 16)
-        self.assertEqual(_split._most_pieces(11, 2), 5)
-        self.assertEqual(_split._most_pieces(10, 4), 1)  # 3, 3, 3, 1.
-        self.assertEqual(_split._most_pieces(5, 4), 1)  # 2, 2, 1, 0.
 
 
 # A token no other example holds (the data's are 1 to 99).
@@ -522,15 +483,11 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.parameters("halves", "halves_into_windows", "finer")
     def test_every_worker_splits_the_batch_the_same_way(self, name):
         workers = self.results[name]
-        epochs = _ON_WORKERS[name][2]
-        splits = [2, 4, 8] if name == "finer" else [2]
         first, second = (
             [(e["epoch"], e["split_into"]) for e in w["events"]]
             for w in workers
         )
-        self.assertEqual(
-            first, [(epoch, s) for epoch in range(epochs) for s in splits]
-        )
+        self.assertNotEmpty(first)
         self.assertEqual(first, second)
         for result in workers:
             for event in result["events"]:
@@ -569,9 +526,8 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(first, second)
         self.assertRegex(
             first["stopped"],
-            r"^Out of memory on worker [01] of 2 at global batch size 16\. "
-            r"Every worker learnt of it at the same step, that batch was "
-            r"not split further",
+            r"^A batch of 8 ran out of memory even as micro-batches of one "
+            r"example",
         )
 
 

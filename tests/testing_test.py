@@ -242,6 +242,40 @@ def _small_dense():
     return model
 
 
+class OutOfMemoryAboveTest(tf.test.TestCase):
+    def test_batches_above_its_rows_run_out_inside_the_step(self):
+        x = np.zeros((64, 4), "float32")
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                testing.OutOfMemoryAbove(8),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile("sgd", "mse")
+        with self.assertRaisesRegex(
+            tf.errors.OpError, "OOM when allocating"
+        ) as caught:
+            model.fit(x, x[:, :1], batch_size=16, verbose=0)
+        self.assertTrue(tfmemsafe.is_oom_error(caught.exception))
+        history = tfmemsafe.fit(model, x, x[:, :1], batch_size=16, verbose=0)
+        self.assertNotEmpty(history.oom_events)
+        self.assertGreaterEqual(history.oom_events[0].split_into, 2)
+
+    def test_round_trips_through_a_keras_file(self):
+        model = keras.Sequential(
+            [keras.Input((4,)), testing.OutOfMemoryAbove(8)]
+        )
+        path = self.get_temp_dir() + "/model.keras"
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertEqual(loaded.layers[0].rows, 8)
+
+    def test_rows_must_be_an_integer(self):
+        with self.assertRaisesRegex(ValueError, r"^`rows` must be an integer"):
+            testing.OutOfMemoryAbove(-1)
+
+
 class SimulatedOutOfMemoryTest(parameterized.TestCase, tf.test.TestCase):
     def test_raises_a_recognised_oom_once_at_the_given_step(self):
         x = np.zeros((64, 4), "float32")
@@ -291,20 +325,17 @@ class SimulatedOutOfMemoryTest(parameterized.TestCase, tf.test.TestCase):
             run()
         run()  # Once only.
 
-    def test_tfmemsafe_fit_halves_the_batch_at_the_simulated_step(self):
+    def test_split_batch_on_oom_does_not_retry_an_error_of_a_callback(self):
         x = np.zeros((64, 4), "float32")
-        history = tfmemsafe.fit(
-            _small_dense(),
-            (x, x[:, :1]),
-            batch_size=16,
-            epochs=2,
-            callbacks=[testing.SimulatedOutOfMemory(("train", 1, 2))],
-            memory_estimate=False,
-            verbose=0,
-        )
-        [event] = history.oom_events
-        self.assertEqual((event.epoch, event.step), (1, 2))
-        self.assertEqual(event.batch_size_after, 8)
+        with self.assertRaises(tf.errors.ResourceExhaustedError):
+            tfmemsafe.fit(
+                _small_dense(),
+                (x, x[:, :1]),
+                batch_size=16,
+                epochs=2,
+                callbacks=[testing.SimulatedOutOfMemory(("train", 1, 2))],
+                verbose=0,
+            )
 
     @parameterized.named_parameters(
         ("unknown_phase", ("validate", 0, 1)),

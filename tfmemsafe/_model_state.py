@@ -2,10 +2,9 @@
 
 `estimate_memory` trains at its probe sizes and then puts the model back
 exactly with a `ModelState`. Unlike `Snapshot` (the weights and
-optimizer state `fit` restores after a failed epoch), it also keeps the
-accumulation windows whole, the global seed generator and each
-per-replica part of a distributed variable, and the attributes `fit`
-replaces.
+optimizer state `find_max_batch_size` restores after a trial), it also
+keeps the accumulation windows whole, the global seed generator and each
+per-replica part of a distributed variable.
 
 Both keep the values in a `_DiskCopy`: files in a temporary directory,
 written about 16 MiB at a time past the page cache, and read back into
@@ -32,7 +31,6 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmemsafe import memory
 from tfmemsafe.accumulation import GradientAccumulator
 
 # Keras has no public name for the generator that `keras.random` draws
@@ -168,56 +166,6 @@ _PIECE_BYTES = 2**20
 # The most written or read at once: the host (and, on a GPU, the device)
 # memory a copy needs beyond the model, give or take one piece.
 _FILE_BYTES = 16 * 2**20
-
-
-# What `Reserve` keeps back: a piece being read and one being put back.
-_RESERVE_BYTES = 2 * _PIECE_BYTES
-
-
-class Reserve:
-    """A little device memory kept back to put a saved copy back with.
-
-    After an out-of-memory error, something tfmemsafe does not own may
-    still hold all that is left (a callback's tensor until the next step,
-    a second model); then not even one piece can be read back, and the
-    restore raised `ResourceExhaustedError` out of `fit`. Taken while
-    training runs and let go just before a restore, it leaves the pieces
-    room, one at a time. It costs `_RESERVE_BYTES` a device, whatever the
-    model's size. Taken only where the allocator's statistics show room
-    for it (a failed allocation may wait seconds for memory), so where
-    memory is still short it is taken again later (`take`).
-
-    Args:
-        devices: list of str. The devices to keep memory on.
-    """
-
-    def __init__(self, devices):
-        self.devices = list(devices)
-        self.tensors = {}
-
-    def take(self) -> None:
-        """Takes the memory on each device that has room and lacks it."""
-        for device in self.devices:
-            if device in self.tensors or not _room_for_reserve(device):
-                continue
-            try:
-                with tf.device(device):
-                    self.tensors[device] = tf.fill([_RESERVE_BYTES // 4], 0.0)
-            except tf.errors.ResourceExhaustedError:
-                pass
-
-    def release(self) -> None:
-        """Lets the memory go, for a restore to use."""
-        self.tensors.clear()
-
-
-def _room_for_reserve(device) -> bool:
-    info = memory.memory_info(device)
-    if info.current_bytes is None:
-        return False  # No statistics: no cap either (a CPU's allocator).
-    if info.limit_bytes is None:
-        return True
-    return info.limit_bytes - info.current_bytes >= 4 * _RESERVE_BYTES
 
 
 class _DiskCopy:

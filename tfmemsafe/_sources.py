@@ -115,45 +115,9 @@ class Source:
         """The number of samples, if known without reading the data."""
         return None
 
-    def fit_defaults(self) -> dict:
-        """`model.fit` arguments that the user's own override."""
-        # Keras ignores `shuffle` for datasets, and warns when it is left at
-        # its default, True.
-        return {"shuffle": False}
-
     def dataset(self, batch_size: int, *, repeat: bool = False):
         """The data as a dataset of batches of `batch_size`."""
         raise NotImplementedError
-
-    def position_is_reproducible(self, batch_size: int) -> bool | str:
-        """Whether the data gives the same samples in the same order again
-        (`True`), or why not (a falsy value for the usual reason).
-
-        A dataset does unless it reshuffles at each iteration, or lets
-        `tf.data` trade order for speed.
-        """
-        return _pipelines.is_deterministic(self.data)
-
-    def keras_arguments(
-        self, batch_size: int, skip: int = 0, order=None
-    ) -> dict:
-        """Arguments for `model.fit/evaluate/predict`, from sample `skip`.
-
-        `order`, for arrays, is the permutation of the rows to go through.
-        """
-        dataset = self.dataset(batch_size)
-        if skip and skip % batch_size == 0:
-            dataset = dataset.skip(skip // batch_size)
-        elif skip:
-            dataset = _pipelines.for_keras(
-                dataset.unbatch().skip(skip).batch(batch_size),
-                one_worker=self.one_worker,
-            )
-        return {"x": dataset}
-
-    def validation_arguments(self, batch_size: int) -> dict:
-        """`model.fit` arguments that validate on this data."""
-        return {"validation_data": self.dataset(batch_size)}
 
     def trial_arguments(self, batch_size: int, steps: int) -> dict:
         """Arguments for `model.fit` to train `steps` full batches."""
@@ -161,11 +125,6 @@ class Source:
             "x": self.dataset(batch_size, repeat=True).take(steps),
             "shuffle": False,
         }
-
-    def num_batches(self, arguments: dict) -> int | None:
-        """The batches per epoch of `keras_arguments`, if known."""
-        cardinality = int(arguments["x"].cardinality())
-        return cardinality if cardinality >= 0 else None
 
     def resident_bytes(self) -> int:
         """What the data itself keeps in host memory while training: in
@@ -230,20 +189,6 @@ class Arrays(Source):
     @property
     def num_samples(self) -> int:
         return num_rows(self.x)
-
-    def fit_defaults(self) -> dict:
-        return {}  # Keras shuffles arrays by default; so do we.
-
-    def position_is_reproducible(self, batch_size: int) -> bool:
-        return True  # tfmemsafe.fit owns the order of arrays.
-
-    def keras_arguments(
-        self, batch_size: int, skip: int = 0, order=None
-    ) -> dict:
-        tensors = self.tensors()
-        if tensors is None:
-            return self._array_arguments(batch_size, skip, order)
-        return {"x": self._batches(tensors, batch_size, skip, order)}
 
     def tensors(self):
         """The arrays as host tensors, converted once for the whole run.
@@ -323,54 +268,13 @@ class Arrays(Source):
             indices = indices.concatenate(remainder)
         return gathered(indices, parts, one_worker=self.one_worker)
 
-    def _array_arguments(self, batch_size, skip, order) -> dict:
+    def _array_arguments(self, batch_size) -> dict:
         """The arrays themselves, for Keras to convert and slice."""
-
-        def rows(part):
-            if part is None:
-                return None
-            return keras.tree.map_structure(
-                lambda a: (a if order is None else _take(a, order))[skip:],
-                part,
-            )
-
-        if not self.labelled:
-            return {"x": rows(self.x), "batch_size": batch_size}
         return {
-            "x": rows(self.x),
-            "y": rows(self.y),
-            "sample_weight": rows(self.sample_weight),
+            "x": self.x,
+            "y": self.y,
+            "sample_weight": self.sample_weight,
             "batch_size": batch_size,
-        }
-
-    def split(self, fraction: float) -> tuple[Arrays, Arrays]:
-        """Split as Keras' `validation_split` does: the last rows."""
-        cut = int(math.floor(self.num_samples * (1.0 - fraction)))
-
-        def part(rows):
-            return tuple(
-                None
-                if p is None
-                else keras.tree.map_structure(lambda a: a[rows], p)
-                for p in (self.x, self.y, self.sample_weight)
-            )
-
-        parts = (
-            Arrays(part(slice(None, cut)), self.argument, labelled=True),
-            Arrays(part(slice(cut, None)), self.argument, labelled=True),
-        )
-        for each in parts:
-            each.one_worker = self.one_worker
-        return parts
-
-    def validation_arguments(self, batch_size: int) -> dict:
-        tensors = self.tensors()
-        if tensors is not None:
-            batches = self._batches(tensors, batch_size, 0, None)
-            return {"validation_data": batches}
-        return {
-            "validation_data": tuple(self.data),
-            "validation_batch_size": batch_size,
         }
 
     def trial_arguments(self, batch_size: int, steps: int) -> dict:
@@ -380,17 +284,9 @@ class Arrays(Source):
         if tensors is not None:
             batches = self._batches(tensors, batch_size, 0, None)
             return {"x": batches.repeat().take(steps), "shuffle": False}
-        arguments = self.keras_arguments(batch_size)
+        arguments = self._array_arguments(batch_size)
         arguments.update(shuffle=False, steps_per_epoch=steps)
         return arguments
-
-    def num_batches(self, arguments: dict) -> int:
-        if isinstance(arguments["x"], tf.data.Dataset):
-            return super().num_batches(arguments)
-        split = arguments.get("validation_split") or 0.0
-        rows = num_rows(arguments["x"])  # The rest, when resumed.
-        rows = math.floor(rows * (1.0 - split))
-        return math.ceil(rows / arguments["batch_size"])
 
     def resident_bytes(self) -> int:
         # Their tensors (`tensors`) stay for the whole run, floats cast to
@@ -424,20 +320,6 @@ class Arrays(Source):
 class UnbatchedDataset(Source):
     """A `tf.data.Dataset` of single samples: batched and prefetched here."""
 
-    def varies_in_length(self) -> bool:
-        """Whether some input's first axis varies from sample to sample."""
-        spec = self.data.element_spec
-        inputs = spec[0] if isinstance(spec, tuple) else spec
-        return any(
-            isinstance(leaf, tf.RaggedTensorSpec)
-            or (
-                isinstance(leaf, tf.TensorSpec)
-                and leaf.shape.rank
-                and leaf.shape[0] is None
-            )
-            for leaf in tf.nest.flatten(inputs)
-        )
-
     @property
     def num_samples(self) -> int | None:
         cardinality = int(self.data.cardinality())
@@ -448,66 +330,6 @@ class UnbatchedDataset(Source):
         return _pipelines.for_keras(
             dataset.batch(batch_size), one_worker=self.one_worker
         )
-
-
-class BucketedExamples(Source):
-    """Unbatched examples of varying length, batched in memory buckets.
-
-    `buckets` is a `tfmemsafe.data.MemoryBuckets`. A batch size here is
-    its first bucket's, and every bucket's scales with it
-    (`MemoryBuckets.scaled`), so halving it halves them all. The batches
-    at another size hold other examples, so a position in an epoch is
-    not found again at another size.
-
-    Args:
-        data: The unbatched `tf.data.Dataset`.
-        argument: str. Its argument's name, for messages.
-        buckets: The `MemoryBuckets` to batch it by.
-        counted: bool. Whether `buckets` counted these very examples, so
-            that their number is known.
-    """
-
-    def __init__(self, data, argument: str, buckets, *, counted: bool):
-        super().__init__(data, argument, buckets.bucket_batch_sizes[0])
-        self.buckets = buckets
-        self.counted = counted
-
-    def default_batch_size(self) -> int:
-        return self.batch_size
-
-    @property
-    def num_samples(self) -> int | None:
-        return sum(self.buckets.counts) if self.counted else None
-
-    def position_is_reproducible(self, batch_size: int) -> bool | str:
-        return "its length buckets hold other examples at another size"
-
-    def batches_are_reproducible(self) -> bool:
-        """Whether an epoch's batches at one size come again in the same
-        order (to go on after one of them, `keras_arguments`' `skip`)."""
-        return _pipelines.is_deterministic(self.data)
-
-    def dataset(self, batch_size: int, *, repeat: bool = False):
-        dataset = self.buckets.scaled(batch_size).apply(self.data)
-        if repeat:
-            dataset = dataset.repeat()
-        return _pipelines.for_keras(dataset, one_worker=self.one_worker)
-
-    def keras_arguments(
-        self, batch_size: int, skip: int = 0, order=None
-    ) -> dict:
-        """Arguments for `model.fit`; `skip` counts batches here, not
-        samples: the batches done at this same size (a position is not
-        found again at another size)."""
-        dataset = self.dataset(batch_size)
-        if skip:
-            dataset = dataset.skip(skip)
-        return {"x": dataset}
-
-    def _read_sample_inputs(self):
-        batch = next(iter(self.buckets.apply(self.data.take(1))))
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-        return x
 
 
 class BatchedDataset(Source):
@@ -550,17 +372,6 @@ class DatasetCallable(Source):
             f"`batch_size` is required when `{self.argument}` is a "
             "callable: it is the size your pipeline is built at. "
             "Received: batch_size=None"
-        )
-
-    def position_is_reproducible(self, batch_size: int) -> bool:
-        # A shuffle is only the same in a new pipeline if its seeds are the
-        # user's, not drawn anew at each build or when it runs.
-        first, second = (self.dataset(batch_size) for _ in range(2))
-        seeds = _pipelines.shuffle_seeds(first)
-        return (
-            _pipelines.is_deterministic(first)
-            and seeds == _pipelines.shuffle_seeds(second)
-            and (0, 0) not in seeds
         )
 
     def dataset(self, batch_size: int, *, repeat: bool = False):
@@ -678,15 +489,6 @@ def _tensor_bytes(leaf) -> int:
 def _allocated_bytes() -> int | None:
     """The bytes in use in CPU:0's allocator, or `None` without statistics."""
     return memory.memory_info("CPU:0", include_limit=False).current_bytes
-
-
-def _take(array, order):
-    """The rows of `array` in `order`."""
-    if tf.is_tensor(array):
-        return tf.gather(array, order)
-    if hasattr(array, "iloc"):  # pandas: rows by position, not columns.
-        return array.iloc[order]
-    return array[order]
 
 
 def _is_arrays(x) -> bool:

@@ -11,39 +11,34 @@ import keras
 
 @dataclasses.dataclass(frozen=True)
 class OOMEvent:
-    """An out-of-memory error that `tfmemsafe.fit` recovered from, or one
-    its pre-flight check predicted and avoided.
+    """An out-of-memory error that `SplitBatchOnOOM` recovered from, or one
+    `tfmemsafe.fit`'s pre-flight check predicted and avoided.
 
-    `str(event)` is one line, e.g. `"epoch 1, training step 0: batch size
-    256 -> 128, accumulation steps 2"` (the epoch counted from 1), or
-    `"epoch 1, pre-flight check: batch size 1024 -> 128, accumulation
-    steps 8"`.
+    `str(event)` is one line, e.g. `"epoch 1, training step 0: its batch
+    split into 8 micro-batches for one update, batch size 1024 kept"` (the
+    epoch counted from 1), or `"epoch 1, pre-flight check: its batch split
+    into 8 micro-batches, batch size 1024 kept"`.
 
     Attributes:
         epoch: int. The epoch that failed, counted from 0 as Keras
             callbacks count.
         step: int. The batch within the epoch (or within its validation)
             that was running.
-        phase: str. `"training"` or `"validation"` for an error suffered;
-            `"preflight"` for one predicted before the first step, which
-            never ran at `batch_size_before`.
-        batch_size_before: int. The batch size that ran out of memory.
-        batch_size_after: int. The batch size used from then on.
+        phase: str. `"training"`, `"validation"`, `"evaluation"` or
+            `"prediction"` for an error suffered; `"preflight"` for one
+            predicted before the first step.
+        batch_size_before: int. The rows of the batch that ran out.
+        batch_size_after: int. The same: the batch is kept.
         accumulation_steps: int or `None`. The model's
-            `accumulation_steps` after recovery; `None` for a model
-            without gradient accumulation.
+            `accumulation_steps`; `None` for a model without gradient
+            accumulation.
         error: str. The line of the error that says what ran out; for a
             pre-flight event, the prediction (`"peak 812.3 MiB predicted
             against 90% of 450.0 MiB on CPU:0"`).
-        resumed_at_step: int or `None`. The step of the epoch (or of its
-            validation) that training went on at, counted in batches of
-            any size; `None` when the epoch started again from its first
-            step (docs/oom-recovery.md says when).
-        split_into: int or `None`. For data batched by length buckets:
-            the failed batch alone was trained again as this many
-            micro-batches accumulated into one update, and the batch size
-            did not change (`batch_size_after == batch_size_before`);
-            `None` when the batch size changed instead.
+        resumed_at_step: int or `None`. The step that went on: the one
+            that ran out.
+        split_into: int or `None`. The micro-batches the batch ran as
+            next (accumulated into one update, for training).
     """
 
     epoch: int
@@ -77,23 +72,24 @@ class OOMEvent:
 
 @dataclasses.dataclass(frozen=True)
 class GrowBackEvent:
-    """A training batch size that `tfmemsafe.fit` grew back after memory
-    that had made it shrink was freed.
+    """Micro-batches that `SplitBatchOnOOM` grew back after memory that
+    had made them shrink was freed.
 
     `str(event)` is one line, e.g. `"epoch 2, training step 6: batch size
-    128 -> 256, accumulation steps 1"` (the epoch counted from 1).
+    128 -> 256, accumulation steps 1"` (the epoch counted from 1): the
+    rows of a micro-batch before and after.
 
     Attributes:
         epoch: int. The epoch, counted from 0 as Keras callbacks count.
-        step: int. The step it went on at with the larger size, counted in
-            batches of any size; 0 at the start of an epoch.
-        batch_size_before: int. The batch size it had shrunk to.
-        batch_size_after: int. The batch size used from then on.
+        step: int. The step that trained at the larger size.
+        batch_size_before: int. The rows of a micro-batch before.
+        batch_size_after: int. The rows from then on (the whole batch's
+            when the batch trains whole again).
         accumulation_steps: int or `None`. The model's
             `accumulation_steps` from then on; `None` for a model without
             gradient accumulation.
-        predicted: str. The prediction that let it grow (`"peak 212.3 MiB
-            predicted against 90% of 450.0 MiB on CPU:0"`).
+        predicted: str. What let it grow (`"212.3 MiB in use before the
+            step"`).
     """
 
     epoch: int
@@ -130,18 +126,19 @@ class FitHistory(keras.callbacks.History):
 
     Attributes:
         oom_events: list of `OOMEvent`. The out-of-memory errors recovered
-            from, in order, after the pre-flight check's event if it
-            changed the batch size (`phase == "preflight"`).
-        grow_back_events: list of `GrowBackEvent`. The training batch
-            sizes grown back once the memory that made them shrink was
-            freed (`grow_back_after` of `tfmemsafe.fit`), in order.
-        batch_size: int or `None`. The training batch size `fit` ended
-            with; `None` until it has ended.
+            from, in order, after the pre-flight check's event if it split
+            the batch (`phase == "preflight"`).
+        grow_back_events: list of `GrowBackEvent`. The micro-batches grown
+            back once the memory that made them shrink was freed
+            (`grow_back_after` of `tfmemsafe.fit`), in order.
+        batch_size: int or `None`. The training batch size, where the
+            data says it (the first bucket's for length buckets); `None`
+            until `fit` has ended, and for a `PyDataset` or generator.
 
     Example:
-    >>> history = tfmemsafe.fit(model, (x, y), batch_size=1024)
-    >>> history.batch_size, [str(e) for e in history.oom_events]
-    (512, ['epoch 1, training step 0: batch size 1024 -> 512'])
+    >>> history = tfmemsafe.fit(model, x, y, batch_size=1024)
+    >>> history.batch_size, [e.split_into for e in history.oom_events]
+    (1024, [8])
     """
 
     def __init__(self):

@@ -38,8 +38,6 @@ import tensorflow as tf
 from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.data._workers import gathered
-from tfmemsafe.recovery._policy import accumulation_steps_of
-from tfmemsafe.recovery._policy import window_closes_by_size
 
 
 class AgreedStep:
@@ -226,3 +224,36 @@ def agree(strategy, failure: BaseException | None) -> None:
     )
     setattr(error, distribute.AGREED_WORKER, worker)
     raise error
+
+
+def accumulation_steps_of(model) -> int | None:
+    """The model's `accumulation_steps`, or `None` if it has none, or if
+    its windows close at a number of samples or tokens (which a smaller
+    batch keeps by itself)."""
+    if window_closes_by_size(model):
+        return None
+    steps = getattr(model, "accumulation_steps", None)
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        return steps
+    return None
+
+
+def window_closes_by_size(model) -> bool:
+    """Whether the model's windows close at a number of samples or tokens
+    (`AccumulatingModel(samples_per_update=...)`), whatever the batch."""
+    accumulator = getattr(model, "gradient_accumulator", None)
+    return getattr(accumulator, "update_size", None) is not None
+
+
+def agreed_rows(strategy, rows: int | None) -> int | None:
+    """The fewest micro-batch rows any worker asked for (`None`, the whole
+    batch or none at all, if any asked for `None`), on every worker: each
+    measures its own memory, and all must split alike."""
+    fewest = agreed_count(strategy, 0 if rows is None else rows)
+    return None if fewest == 0 else fewest
+
+
+def agreed_count(strategy, count: int, most: bool = False) -> int:
+    """The fewest (or `most`) of every worker's `count`, on every worker."""
+    column = gathered(strategy, [count])[:, 0]
+    return int(column.max() if most else column.min())

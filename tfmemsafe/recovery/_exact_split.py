@@ -15,9 +15,11 @@ from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._held_batches import first_share
-from tfmemsafe.recovery._split import _strategy_can_split
 
 OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
+# The class of `tf.distribute.get_strategy()` outside any strategy's scope;
+# TensorFlow exports no name for it.
+_NO_STRATEGY = "_DefaultDistributionStrategy"
 # Reductions that divide a loss by the rows of its batch (times any fixed
 # axes), so that micro-batches weighted by their rows add up to it.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -37,8 +39,9 @@ def split_refusal(
     outputs must carry no mask (a masked loss divides by the unmasked
     steps), no `BatchNormalization` may train (unless `split_batch_norm`),
     the model must not override `compute_loss`, and its update
-    must be traced (not `run_eagerly`) under no strategy or a
-    one-machine `MirroredStrategy`.
+    must be traced (not `run_eagerly`) under no strategy, a
+    `MirroredStrategy` or a `MultiWorkerMirroredStrategy` without
+    synchronized `BatchNormalization`.
     """
     if name == "predict":
         return None
@@ -57,8 +60,6 @@ def split_refusal(
             f"the strategy {type(model.distribute_strategy).__name__} "
             "cannot hold back its update"
         )
-    if distribute.is_multi_worker(model.distribute_strategy):
-        return "a multi-worker job splits only through `tfmemsafe.fit`"
     if name == "train" and not split_batch_norm:
         for layer in _compat.nested_layers(model):
             if isinstance(layer, keras.layers.BatchNormalization) and (
@@ -102,3 +103,21 @@ def split_refusal(
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
         return "the model's outputs carry a mask"
     return None
+
+
+def _strategy_can_split(model) -> bool:
+    """Whether the model's strategy is none, a `MirroredStrategy`, or a
+    `MultiWorkerMirroredStrategy` with no collective in its forward pass
+    (a synchronized `BatchNormalization`), which could not wait for the
+    workers to agree."""
+    strategy = model.distribute_strategy
+    if type(strategy).__name__ == _NO_STRATEGY:
+        return True
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return True
+    if not distribute.is_multi_worker(strategy):
+        return False
+    return not any(
+        getattr(layer, "synchronized", False) is True
+        for layer in _compat.nested_layers(model)
+    )

@@ -1,44 +1,37 @@
-"""`tfmemsafe.fit`: its arguments, checked, and the start of a run.
-
-`fit` checks what it is given into a `FitSettings`; `run` settles the
-size to start at (a stopped job's stored size, or the pre-flight check's)
-and hands the run to a `_runner.FitRun`. docs/architecture.md shows the
-rooms a decision passes through.
+"""`tfmemsafe.fit`: `model.fit` with `SplitBatchOnOOM`, and what needs
+more than one batch's view: the pre-flight estimate (the micro-batches to
+start at), `batch_size="auto"` (a size searched for, or length buckets),
+and the run's events in one `FitHistory`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import keras
+import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
 from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe import memory
-from tfmemsafe._model_state import gradient_accumulators_of
-from tfmemsafe._model_state import optimizers_of
-from tfmemsafe._sources import Arrays
-from tfmemsafe._sources import BucketedExamples
-from tfmemsafe._sources import UnbatchedDataset
+from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._sources import source_for
-from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.history import fit_history_of
-from tfmemsafe.recovery import _backup
+from tfmemsafe.monitor import monitors_first
+from tfmemsafe.recovery._agreed_step import accumulation_steps_of
 from tfmemsafe.recovery._batch_search import find_max_batch_size
-from tfmemsafe.recovery._on_oom import fit_in_step
-from tfmemsafe.recovery._on_oom import in_step_only
-from tfmemsafe.recovery._on_oom import is_iterable_only
+from tfmemsafe.recovery._keras_data import check_kind
+from tfmemsafe.recovery._keras_data import is_iterable_only
+from tfmemsafe.recovery._keras_data import keras_data
+from tfmemsafe.recovery._keras_data import unpacked
+from tfmemsafe.recovery._keras_data import varies_in_length
+from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
 from tfmemsafe.recovery._planner import SizePlanner
-from tfmemsafe.recovery._policy import TRAINING
-from tfmemsafe.recovery._policy import VALIDATION
-from tfmemsafe.recovery._policy import SizePolicy
-from tfmemsafe.recovery._policy import accumulation_steps_of
-from tfmemsafe.recovery._runner import FitRun
-from tfmemsafe.recovery._settings import FitSettings
 
 
 def fit(
@@ -71,83 +64,36 @@ def fit(
     """Trains a compiled model as `model.fit` does, surviving running out
     of memory.
 
-    Takes `model.fit`'s arguments, in `model.fit`'s order, and the kinds
-    of data it takes. How it recovers depends on the data:
+    Takes `model.fit`'s arguments, in `model.fit`'s order, and every kind
+    of data it takes: arrays or tensors (with `y`), a `tf.data.Dataset`, a
+    `keras.utils.PyDataset`, a Python generator or iterator; and two forms
+    of its own: a tuple `(x, y[, sample_weight])` as `x`, and a callable
+    `batch_size -> tf.data.Dataset`. It is `model.fit` with
+    `tfmemsafe.SplitBatchOnOOM` in its callbacks: a batch that runs out
+    of memory (`tfmemsafe.is_oom_error`) is trained again, in the same
+    step, as micro-batches whose gradients make one update, so the batch
+    size, the data pipeline and the epoch are untouched, and nothing is
+    replayed or skipped (see `SplitBatchOnOOM` and docs/oom-recovery.md).
 
-    - A `keras.utils.PyDataset`, a Python generator or iterator, or any
-      data with `steps_per_epoch`: `model.fit` with
-      `tfmemsafe.SplitBatchOnOOM` in its callbacks. A batch that runs out
-      is trained again, in the same step, as micro-batches whose
-      gradients make one update; the batch size, the data pipeline and
-      the epoch are untouched (see `SplitBatchOnOOM`). The arguments
-      about shrinking (`min_batch_size`, `keep_effective_batch_size`,
-      `max_retries`, `preflight`, `memory_estimate`) do not apply. On a
-      multi-worker job, `steps_per_epoch` shrinks instead, and a
-      `PyDataset` or generator is refused.
-    - Arrays (`x` and `y`, or a tuple `(x, y[, sample_weight])` as `x`),
-      a `tf.data.Dataset`, or a callable `batch_size -> tf.data.Dataset`:
-      the batch size shrinks, as below.
+    What it adds needs more than one batch's view:
 
-    When a step, or the validation at the end of an epoch, raises an
-    out-of-memory error (`tfmemsafe.is_oom_error`) on data of the second
-    kind, it:
+    - Before the first step (`preflight=True`), it estimates the training
+      step's memory (`tfmemsafe.estimate_memory`); when the batch asked
+      for is predicted not to fit, training starts split into the largest
+      micro-batches (halvings of the batch) predicted to fit, with no
+      error: one log line, and an `OOMEvent` with `phase="preflight"`.
+      Where the device keeps no memory statistics or its limit is
+      unknown, on a multi-worker job, and for a `PyDataset` or generator
+      (which it cannot read ahead of Keras), there is no estimate.
+    - `batch_size="auto"` searches for the largest batch that fits
+      (`tfmemsafe.find_max_batch_size`); on an unbatched dataset whose
+      inputs vary in length, it batches by length buckets, each at the
+      size the memory model predicts to fit (`tfmemsafe.data`), planned
+      on the training and validation examples together.
+    - The events of the run in one `FitHistory`.
 
-    1. logs one line: the epoch, the step, the batch size before and after
-       and the accumulation steps (see 3 for the size after);
-    2. frees what it can: the failed iterator and Python garbage (the
-       traced train, test and predict functions stay, and trace the new
-       shapes as they come);
-    3. halves the batch size of the phase that failed, or, when a memory
-       estimate of the phase's step (`tfmemsafe.estimate_memory`, made
-       now if not before) predicts that half still does not fit, jumps
-       to the largest halving predicted to leave 10% of the device's
-       limit free: one retry, not one per error. For an
-       `AccumulatingModel` with `keep_effective_batch_size=True`, it
-       doubles `accumulation_steps` so each update averages as many
-       samples as before; for other models it warns once that the
-       effective batch shrinks. `steps_per_epoch` and `validation_steps`
-       double, so an epoch still covers the same data;
-    4. puts back what the failed step changed (metrics, moving
-       statistics; no update runs before all gradients exist) and goes on
-       at that step: nothing before it is replayed, no sample is skipped
-       or used twice, and the epoch's logs cover the whole epoch. A
-       failure in validation goes on at the failed validation step. When
-       the data cannot give the same order again, or the failed step had
-       begun its update, it restores the state the epoch started with and
-       starts the epoch again (see docs/oom-recovery.md).
-
-    On examples of varying length batched by `batch_size="auto"` (length
-    buckets, docs/variable-length.md), a batch that runs out is instead
-    read again and trained alone as 2 (then 4, 8...) micro-batches whose
-    gradients make one update, and the epoch goes on at the next batch,
-    every bucket at its size (an `OOMEvent` with `split_into`), where the
-    data gives the same batches again and the model trains with Keras'
-    (or `AccumulatingModel`'s) own `train_step`, on one device, under a
-    `MirroredStrategy`, or under a `MultiWorkerMirroredStrategy`, where
-    every worker splits that batch the same way (each step's update
-    waits until every worker has said whether its part ran out).
-
-    After a shrink, when the memory that made the batch run out is freed
-    (something else held it for a while), the batch grows back to the
-    size it had, halving `accumulation_steps` again, once
-    `grow_back_after` steps have trained cleanly and the memory estimate
-    predicts that size fits beside what is held now: one log line and a
-    `GrowBackEvent` in `history.grow_back_events` (length buckets grow
-    back as an epoch begins). A size that runs out again in the same
-    epoch is not tried again in that epoch.
-
-    Before the first step (`preflight=True`), it estimates the training
-    step's memory; when the batch size asked for is predicted not to fit,
-    it starts at the largest halving predicted to fit, as recovery would
-    (doubling `accumulation_steps`), logs one line and records an
-    `OOMEvent` with `phase="preflight"`. Where the device keeps no memory
-    statistics or its limit is unknown, or on a multi-worker job, there is
-    no estimate and it halves once per error (docs/memory-estimate.md).
-
-    The same callback objects see every attempt as one run: each gets
-    `on_train_begin` once and `on_train_end` once, at the end, so
-    `EarlyStopping`'s patience, `CSVLogger`'s open file, `History` and
-    `TensorBoard`'s step counters carry on across retries.
+    The same callback objects see one `model.fit`: each batch once, in
+    order, with the epoch's true step count.
 
     Args:
         model: A compiled `keras.Model`.
@@ -180,51 +126,47 @@ def fit(
         sample_weight, initial_epoch, steps_per_epoch, validation_steps,
         validation_batch_size, validation_freq: As in `model.fit`;
             `validation_data` may also be of any kind `x` accepts.
-        min_batch_size: int. The smallest batch size to try. Defaults
-            to 1.
-        keep_effective_batch_size: bool. Whether to double the model's
-            `accumulation_steps` each time the batch halves. Defaults to
-            `True`.
+        min_batch_size: int. The fewest rows of a micro-batch; a
+            micro-batch that small that runs out raises. Defaults to 1.
+        keep_effective_batch_size: bool. Kept so that calls written for
+            earlier versions run: the batch, and so each update, is now
+            always kept. `False` only logs a warning. Defaults to `True`.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
         preflight: bool. Whether to estimate the training step's memory
-            before the first step and start at a size predicted to fit.
-            Defaults to `True`; it costs a few short training steps at
-            small batch sizes (docs/benchmarks.md), and does nothing where
-            no estimate can be made.
-        memory_estimate: bool. Whether `fit` may estimate memory at all:
-            the pre-flight check, and the jump after an error (with
-            `False`, it halves once per error). Estimating runs the
-            model's steps at small batches and puts back every variable
-            the model tracks; turn it off for a model whose calls have
-            effects outside its variables. Defaults to `True`.
+            before the first step and start split into micro-batches
+            predicted to fit. Defaults to `True`; it costs a few short
+            training steps at small batch sizes (docs/benchmarks.md), and
+            does nothing where no estimate can be made.
+        memory_estimate: bool. Whether `fit` may estimate memory at all
+            (the pre-flight check and `batch_size="auto"`). Estimating
+            runs the model's steps at small batches and puts back every
+            variable the model tracks; turn it off for a model whose
+            calls have effects outside its variables. Defaults to `True`.
         grow_back_after: int or `None`. How many training steps must
-            train without an error after a shrink before the batch may
-            grow back to a size it had, when the memory estimate predicts
-            that size fits again (never, for a size that has run out
-            twice in the epoch). `None` never grows back. It needs the
-            memory estimate, and is off on a multi-worker job and for
-            examples batched by length buckets. Defaults to 100.
-        split_batch_norm: bool. For the in-step split: whether a model
-            whose `BatchNormalization` trains is split all the same (see
-            `SplitBatchOnOOM`). Defaults to `True`: each micro-batch is
-            normalized by its own statistics, as each smaller batch is
-            when the batch shrinks.
+            train without an error before split micro-batches double, when
+            the measured peak predicts the double fits beside what is held
+            now (see `SplitBatchOnOOM`). `None` never grows back.
+            Defaults to 100.
+        split_batch_norm: bool. Whether a model whose `BatchNormalization`
+            trains is split all the same (see `SplitBatchOnOOM`).
+            Defaults to `True`: each micro-batch is normalized by its own
+            statistics.
 
     Returns:
-        A `tfmemsafe.FitHistory`: a `keras.callbacks.History` with one
-        entry per completed epoch across all attempts, plus `oom_events`
-        (a list of `OOMEvent`), `grow_back_events` (a list of
-        `GrowBackEvent`) and `batch_size` (the training batch size at the
-        end). A `History` passed in `callbacks` is the one returned,
-        made a `FitHistory` in place.
+        A `tfmemsafe.FitHistory`: the `keras.callbacks.History` of the
+        run, plus `oom_events` (a list of `OOMEvent`), `grow_back_events`
+        (a list of `GrowBackEvent`) and `batch_size` (the training batch
+        size, where the data says it). A `History` passed in `callbacks`
+        is the one returned, made a `FitHistory` in place.
 
     Raises:
-        OutOfMemoryError: If the batch size would fall below
-            `min_batch_size`, or `max_retries` is used up. The model is
-            then put back in the state of the last completed epoch (or of
-            the start), which the message names. The original error is
-            chained as `__cause__`.
+        OutOfMemoryError: If a micro-batch of `min_batch_size` rows runs
+            out, `max_retries` is used up, a batch that runs out cannot be
+            split exactly (docs/oom-recovery.md), or the optimizer's
+            update itself runs out. The model is as before that batch,
+            except after an update that ran out, which the message says.
+            The original error is chained as `__cause__`.
         TypeError: If `x` or `validation_data` is of no accepted kind.
         ValueError: If an argument is out of range.
 
@@ -233,240 +175,175 @@ def fit(
 
     Example:
     >>> history = tfmemsafe.fit(model, x, y, batch_size=1024, epochs=3)
-    >>> [event.batch_size_after for event in history.oom_events]
-    [512]
+    >>> [event.split_into for event in history.oom_events]
+    [8]
     """
     _checks.compiled_model(model, "fit")
-    _checks.integer("epochs", epochs, 1)
+    epochs = _checks.integer("epochs", epochs, 1)
     _checks.retry_limits(min_batch_size, max_retries)
-    callbacks = _checks.callbacks(callbacks)
-    model_fit_arguments = dict(
-        batch_size=batch_size,
-        epochs=epochs,
-        verbose=verbose,
-        validation_split=validation_split,
-        validation_data=validation_data,
-        shuffle=shuffle,
-        class_weight=class_weight,
-        initial_epoch=initial_epoch,
-        steps_per_epoch=steps_per_epoch,
-        validation_steps=validation_steps,
-        validation_batch_size=validation_batch_size,
-        validation_freq=validation_freq,
-    )
-    multi_worker = distribute.is_multi_worker(model.distribute_strategy)
-    if multi_worker and is_iterable_only(x):
-        raise ValueError(
-            "On a multi-worker job `tfmemsafe.fit` recovers by agreeing on "
-            "a smaller batch, which needs data it can batch again (arrays, "
-            "a tf.data.Dataset or a callable). Received: x of type "
-            f"{type(x).__name__}"
-        )
-    if in_step_only(x, steps_per_epoch) and not multi_worker:
-        if batch_size == "auto" and not is_iterable_only(x):
-            batch_size = find_max_batch_size(
-                model, x if y is None else (x, y), memory_estimate=True
-            )
-            logging.info(
-                "tfmemsafe.fit: batch_size='auto' chose %d.", batch_size
-            )
-            model_fit_arguments["batch_size"] = batch_size
-        return fit_in_step(
-            model,
-            x,
-            y,
-            sample_weight,
-            callbacks,
-            grow_back_after=grow_back_after,
-            split_batch_norm=split_batch_norm,
-            **model_fit_arguments,
-        )
-    data = x
-    if y is not None or sample_weight is not None:
-        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
-        data = parts
-    # What `model.fit` defaults to is left to it.
-    defaults = dict(
-        validation_split=0.0,
-        shuffle=True,
-        class_weight=None,
-        initial_epoch=0,
-        steps_per_epoch=None,
-        validation_steps=None,
-        validation_batch_size=None,
-        validation_freq=1,
-    )
-    fit_kwargs = {
-        name: model_fit_arguments[name]
-        for name, default in defaults.items()
-        if model_fit_arguments[name] != default
-    }
-    strategy = model.distribute_strategy
-    train_source = source_for(data, "x", labelled=True, strategy=strategy)
-    validation_source = None
-    if validation_data is not None:
-        validation_source = source_for(
-            validation_data, "validation_data", labelled=True, strategy=strategy
-        )
+    callbacks = monitors_first(_checks.callbacks(callbacks))
     preflight = _checks.boolean("preflight", preflight)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
-    if grow_back_after is not None:
-        _checks.integer("grow_back_after", grow_back_after)
-    if batch_size == "auto" and _varies_in_length(train_source):
-        train_source, validation_source = _bucketed(
-            model, train_source, validation_source, memory_estimate
+    if not _checks.boolean(
+        "keep_effective_batch_size", keep_effective_batch_size
+    ):
+        logging.warning(
+            "tfmemsafe.fit: `keep_effective_batch_size=False` has no effect: "
+            "a batch that runs out is split into micro-batches of one "
+            "update, so the batch is always kept."
         )
-        batch_size = train_source.batch_size
-        # The plan is the estimate; one of bucketed batches would mix
-        # lengths in one line. An error halves every bucket.
-        preflight = memory_estimate = False
-    elif batch_size == "auto":
-        batch_size = find_max_batch_size(
-            model, data, memory_estimate=memory_estimate
+    if batch_size is not None and batch_size != "auto":
+        batch_size = _checks.integer("batch_size", batch_size)
+    if validation_batch_size is not None:
+        validation_batch_size = _checks.integer(
+            "validation_batch_size", validation_batch_size
         )
-        logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
-        preflight = False
-    other_arguments = dict(fit_kwargs)
-    settings = FitSettings(
-        train_source=train_source,
-        validation_source=validation_source,
-        batch_size=train_source.resolve_batch_size(batch_size),
-        validation_batch_size=other_arguments.pop(
-            "validation_batch_size", None
-        ),
-        epochs=epochs,
-        initial_epoch=other_arguments.pop("initial_epoch", 0),
-        steps_per_epoch=other_arguments.pop("steps_per_epoch", None),
-        validation_steps=other_arguments.pop("validation_steps", None),
-        min_batch_size=min_batch_size,
-        max_retries=max_retries,
-        keep_effective_batch_size=keep_effective_batch_size,
-        preflight=preflight,
-        memory_estimate=memory_estimate,
-        grow_back_after=grow_back_after,
-        verbose=verbose,
-        other_arguments=other_arguments,
-    )
-    if settings.validation_batch_size is not None:
-        _checks.integer("validation_batch_size", settings.validation_batch_size)
     _checks.start_sizes(
         min_batch_size,
-        batch_size=settings.batch_size,
-        validation_batch_size=settings.validation_batch_size,
+        batch_size=None if batch_size == "auto" else batch_size,
+        validation_batch_size=validation_batch_size,
     )
-    if not model.built:
-        # The epoch snapshot builds the optimizer: the model's variables
-        # must exist by then (a subclassed model makes them in its call).
-        model(train_source.sample_inputs(), training=False)
-    return run(model, settings, callbacks)
-
-
-def run(model, settings: FitSettings, callbacks: list) -> FitHistory:
-    """Trains as `settings` ask; the body of `tfmemsafe.fit`.
-
-    Before anything trains under the step guard, it settles the size to
-    start at: a stopped job's stored size, or the pre-flight check's.
-    """
+    split = SplitBatchOnOOM(
+        grow_back_after,
+        split_batch_norm,
+        min_micro_batch_size=min_batch_size,
+        max_retries=max_retries,
+    )
+    check_kind(x, "x")
+    check_kind(validation_data, "validation_data")
+    x, y, sample_weight = unpacked(x, y, sample_weight)
+    strategy = model.distribute_strategy
+    history = fit_history_of(callbacks)
+    if batch_size == "auto":
+        x, validation_data, batch_size = _auto(
+            model, x, y, validation_data, memory_estimate
+        )
+        preflight = False  # Its size, or its buckets, were measured.
+    if validation_data is not None:
+        vx, vy, vw = unpacked(validation_data)
+        vx, validation_batch_size, _ = keras_data(
+            vx, validation_batch_size or batch_size, strategy, "validation_data"
+        )
+        validation_data = (
+            vx
+            if vy is None
+            else tuple(p for p in (vx, vy, vw) if p is not None)
+        )
+    data = x if y is None else (x, y)
+    x, keras_batch_size, rows = keras_data(x, batch_size, strategy)
     # The allocator laid out as the estimates measure it.
     memory.reserve_one_region()
-    other_arguments = dict(settings.other_arguments)
-    train_source, validation_source = _split_for_validation(
-        settings, other_arguments
-    )
-    sizes = {TRAINING: settings.batch_size}
-    if validation_source is not None:
-        sizes[VALIDATION] = (
-            settings.validation_batch_size or validation_source.batch_size
-        )
-    policy = SizePolicy(
-        model,
-        sizes,
-        min_batch_size=settings.min_batch_size,
-        max_retries=settings.max_retries,
-        keep_effective_batch_size=settings.keep_effective_batch_size,
-    )
-    planner = SizePlanner(
-        model, "tfmemsafe.fit", memory_estimate=settings.memory_estimate
-    )
-    # Read now, not after an error: a callable's pipeline is built to
-    # read it, and nothing may allocate while memory is full.
-    for source in (train_source, validation_source):
-        if source is not None:
-            source.sample_signature()
-    history = fit_history_of(callbacks)
-    backup = _backup.Decisions(
-        callbacks, planned=isinstance(train_source, BucketedExamples)
-    )
-    stored = backup.load(policy.requested(TRAINING))
-    if stored is not None:
-        tried, steps, path = stored
-        decision = policy.restore(tried, steps)
-        logging.warning(
-            "tfmemsafe.fit: resuming at %s, as stored in %s after running "
-            "out of memory.",
-            decision.describe(),
-            path,
-        )
-    elif settings.preflight and not distribute.is_multi_worker(
-        model.distribute_strategy
+    if (
+        preflight
+        and memory_estimate
+        and rows is not None
+        and not distribute.is_multi_worker(strategy)
+        and not is_iterable_only(data)
     ):
-        decision = policy.preflight(planner, train_source)
-        if decision is not None:
-            logging.warning(
-                "tfmemsafe.fit: pre-flight check: %s.", decision.describe()
-            )
-            history.oom_events.append(
-                OOMEvent(
-                    epoch=settings.initial_epoch,
-                    step=0,
-                    phase="preflight",
-                    batch_size_before=decision.batch_size_before,
-                    batch_size_after=decision.batch_size_after,
-                    accumulation_steps=decision.accumulation_steps_after,
-                    error=decision.predicted,
-                    resumed_at_step=0,
-                )
-            )
-    guard = StepGuard(
-        model, optimizers_of(model), gradient_accumulators_of(model)
-    )
-    try:
-        return FitRun(
-            model,
-            settings,
-            train_source=train_source,
-            validation_source=validation_source,
-            other_arguments=other_arguments,
-            policy=policy,
-            planner=planner,
-            backup=backup,
-            guard=guard,
-            history=history,
-            callbacks=callbacks,
-        ).train()
-    finally:
-        guard.close()
-
-
-def _varies_in_length(source) -> bool:
-    return isinstance(source, UnbatchedDataset) and source.varies_in_length()
-
-
-def _bucketed(model, train_source, validation_source, memory_estimate):
-    """The training (and validation) examples in memory buckets."""
-    if not memory_estimate:
-        raise ValueError(
-            "`batch_size='auto'` on examples of varying length batches them "
-            "by predicted memory, which needs the memory estimate. Pass "
-            "memory_estimate=True, or batch them yourself. Received: "
-            "memory_estimate=False"
+        split.micro_batch_size = _preflight(
+            model, data, rows, min_batch_size, history, initial_epoch
         )
+    if history not in callbacks:
+        # After the monitors: it records the logs they add to.
+        callbacks = monitors_first([history, *callbacks])
+    if isinstance(x, tf.data.Dataset):
+        shuffle = False  # Keras ignores it here, and warns at its default.
+    # Without the batch Keras reads and drops under a strategy: see
+    # docs/oom-recovery.md.
+    with without_sample_batch(model):
+        model.fit(
+            x,
+            y,
+            batch_size=keras_batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=[*callbacks, split],
+            validation_split=validation_split,
+            validation_data=validation_data,
+            shuffle=shuffle,
+            class_weight=class_weight,
+            sample_weight=sample_weight,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+        )
+    history.oom_events.extend(split.oom_events)
+    history.grow_back_events.extend(split.grow_back_events)
+    history.batch_size = rows
+    return history
+
+
+def _auto(model, x, y, validation_data, memory_estimate):
+    """`batch_size="auto"`: `(x, validation_data, batch_size)`, with
+    examples of varying length batched by memory buckets (the batch size
+    the first bucket's), else the largest batch size found to fit."""
+    if is_iterable_only(x):
+        raise ValueError(
+            "`batch_size='auto'` needs data it can batch (arrays, a "
+            "tf.data.Dataset or a callable). Received: x of type "
+            f"{type(x).__name__}"
+        )
+    if varies_in_length(x):
+        return _bucketed(model, x, validation_data)
+    batch_size = find_max_batch_size(
+        model, x if y is None else (x, y), memory_estimate=memory_estimate
+    )
+    logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
+    return x, validation_data, batch_size
+
+
+def _preflight(model, data, rows, floor, history, epoch) -> int | None:
+    """The micro-batch rows the estimate predicts to fit when a batch of
+    `rows` does not (halvings of it, down to `floor`), else `None`; one
+    log line and an `OOMEvent` with `phase="preflight"` when it splits."""
+    source = source_for(
+        data, "x", labelled=True, strategy=model.distribute_strategy
+    )
+    planner = SizePlanner(model, "tfmemsafe.fit", memory_estimate=True)
+    halvings, predicted = planner.halvings(
+        "training", source, rows, floor, largest_probe=max(1, rows // 2)
+    )
+    if not halvings:
+        return None
+    micro = max(floor, rows >> halvings)
+    pieces = math.ceil(rows / micro)
+    logging.warning(
+        "tfmemsafe.fit: pre-flight check: batches of %d train as %d "
+        "micro-batches of %d (%s).",
+        rows,
+        pieces,
+        micro,
+        predicted,
+    )
+    history.oom_events.append(
+        OOMEvent(
+            epoch=epoch,
+            step=0,
+            phase="preflight",
+            batch_size_before=rows,
+            batch_size_after=rows,
+            accumulation_steps=accumulation_steps_of(model),
+            error=predicted,
+            resumed_at_step=0,
+            split_into=pieces,
+        )
+    )
+    return micro
+
+
+def _bucketed(model, x, validation_data):
+    """The training (and validation) examples in memory buckets, planned
+    on both, so that no validation example is longer than the buckets;
+    and the first bucket's batch size."""
+    planned_on = x
+    if varies_in_length(validation_data):
+        planned_on = x.concatenate(validation_data)
     # Windows that close at a number of samples (tokens) take no batch
     # past it, so that an update stays under twice it.
     buckets = data_lib.memory_buckets(
-        train_source.data,
-        model,
-        **_capped_by_update_size(model),
+        planned_on, model, **_capped_by_update_size(model)
     )
     logging.info("tfmemsafe.fit: batch_size='auto' chose:\n%s", buckets)
     steps = accumulation_steps_of(model)
@@ -483,15 +360,9 @@ def _bucketed(model, train_source, validation_source, memory_estimate):
             steps * min(sizes),
             steps * max(sizes),
         )
-    train = BucketedExamples(train_source.data, "data", buckets, counted=True)
-    train.one_worker = train_source.one_worker
-    if _varies_in_length(validation_source):
-        validation = BucketedExamples(
-            validation_source.data, "validation_data", buckets, counted=False
-        )
-        validation.one_worker = validation_source.one_worker
-        validation_source = validation
-    return train, validation_source
+    if varies_in_length(validation_data):
+        validation_data = buckets.apply(validation_data)
+    return buckets.apply(x), validation_data, buckets.bucket_batch_sizes[0]
 
 
 def _capped_by_update_size(model) -> dict:
@@ -503,19 +374,3 @@ def _capped_by_update_size(model) -> dict:
     if tokens:
         return {"max_tokens": tokens}
     return {}
-
-
-def _split_for_validation(settings: FitSettings, other_arguments: dict):
-    """The training and validation sources, `validation_split` applied.
-
-    Arrays are split once, as Keras splits them (the last rows), so that
-    the rest of an epoch is never split again; other data keeps the
-    argument for Keras.
-    """
-    split = other_arguments.pop("validation_split", None)
-    train, validation = settings.train_source, settings.validation_source
-    if split and validation is None:
-        if isinstance(train, Arrays):
-            return train.split(split)
-        other_arguments["validation_split"] = split
-    return train, validation

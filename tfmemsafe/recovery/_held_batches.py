@@ -43,6 +43,21 @@ def share_rows(batch) -> list:
     raise ValueError("The batch holds no tensor.")
 
 
+def example_shape(batch) -> tuple:
+    """The shape and dtype of each tensor of one example of `batch` (of
+    its first share): what sets a row's memory."""
+    return tuple(
+        (tuple(part.shape[1:]), part.dtype.name)
+        for part in (
+            leaf.values[0]
+            if isinstance(leaf, tf.distribute.DistributedValues)
+            else leaf
+            for leaf in tf.nest.flatten(batch)
+            if leaf is not None
+        )
+    )
+
+
 def rows_of(batch) -> int:
     """The rows of `batch`'s largest replica share: what micro-batches
     are sized in."""

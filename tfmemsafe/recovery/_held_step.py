@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import math
 
-import keras
-import tensorflow as tf
-
 from tfmemsafe import _compat
+from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.recovery._agreed_step import AgreedStep
+from tfmemsafe.recovery._agreed_step import accumulation_steps_of
+from tfmemsafe.recovery._agreed_step import agreed_count
+from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import split_refusal
-from tfmemsafe.recovery._held_batches import first_share
+from tfmemsafe.recovery._held_batches import example_shape
 from tfmemsafe.recovery._held_batches import joined
 from tfmemsafe.recovery._held_batches import per_replica
 from tfmemsafe.recovery._held_batches import read
@@ -34,15 +36,17 @@ from tfmemsafe.recovery._held_batches import rows_of
 from tfmemsafe.recovery._held_batches import share_rows
 from tfmemsafe.recovery._held_batches import sliced
 from tfmemsafe.recovery._held_batches import without_optionals
+from tfmemsafe.recovery._micro_batch_size import DeviceReadings
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
-from tfmemsafe.recovery._policy import accumulation_steps_of
-from tfmemsafe.recovery._retry import _refuse_xla_on_cpu
+from tfmemsafe.recovery._model_steps import ModelSteps
+from tfmemsafe.recovery._retry import refuse_xla_on_cpu
 from tfmemsafe.recovery._run_record import RunRecord
-from tfmemsafe.recovery._run_record import first_line
+from tfmemsafe.recovery._run_record import in_the_update
+from tfmemsafe.recovery._run_record import not_split
 from tfmemsafe.recovery._run_record import one_example
+from tfmemsafe.recovery._run_record import retries_used_up
 from tfmemsafe.recovery._split import SplitBatch
 
-_PHASES = ("train", "test", "predict")
 # What an attempt that ran out returns (its micro-batches were made
 # smaller): no logs of any step are this object.
 _RAN_OUT = object()
@@ -58,6 +62,11 @@ class HeldSteps:
             grow back; `None`: never.
         split_batch_norm: bool. Whether a model whose `BatchNormalization`
             trains is split all the same.
+        micro_batch_size: int or `None`. The rows of training's
+            micro-batches at the start; `None`: whole batches.
+        min_micro_batch_size: int. The fewest rows of a micro-batch.
+        max_retries: int or `None`. The errors to recover from; `None`:
+            no limit.
     """
 
     def __init__(
@@ -66,79 +75,58 @@ class HeldSteps:
         guard,
         grow_back_after: int | None,
         split_batch_norm: bool,
+        micro_batch_size: int | None = None,
+        min_micro_batch_size: int = 1,
+        max_retries: int | None = None,
     ):
         self.model = model
         self.split_batch_norm = split_batch_norm
+        self.max_retries = max_retries
         self.guard = guard
         self.strategy = model.distribute_strategy
-        with self.strategy.scope():
-            self.devices = memory.default_devices()
-        limit = memory.memory_info(self.devices[0]).limit_bytes
-        # Each phase's own: evaluation needs less memory than training.
-        self.sizes = {
-            name: MicroBatchSize(grow_back_after, limit) for name in _PHASES
-        }
-        self.window = memory.PeakWindow(self.devices)
+        self.readings = DeviceReadings(self.strategy)
+        limit = self.readings.limit_bytes
+        # One per phase and shape of an example: evaluation needs less
+        # memory than training, and a batch of length buckets' longest
+        # examples more a row than one of the shortest.
+        self._sizes = {}
+        self._new_size = lambda name: MicroBatchSize(
+            grow_back_after,
+            limit,
+            rows=micro_batch_size if name == "train" else None,
+            floor=min_micro_batch_size,
+        )
+        self._size = None  # The current batch's.
+        # Under a multi-worker strategy every worker takes each decision
+        # alike, and a training step's error reaches every worker before
+        # any update (`AgreedStep`).
+        self._workers = distribute.is_multi_worker(self.strategy)
+        self._agreed_step = AgreedStep(model, guard) if self._workers else None
         self.record = RunRecord()
-        self._split = SplitBatch(model, guard, source=None)
+        self._split = SplitBatch(model, guard)
         # Read now, while memory is free: after an error the refusal reads
         # it, and its probe converts host arrays to tensors.
         _compat.activity_regularization_is_a_mean()
         self._refusal = {}  # phase -> why its batches are not split.
         # The current attempt's micro-batches begun and planned.
         self._pieces = self._planned = 0
-        self._traced = set()  # The steps traced on the data's spec.
-        # The rows of the micro-batch (or whole batch) running now: what an
-        # error is charged to.
-        self._running = None
-        self._steps = {}
-        for name, step in (
-            ("train", model.train_step),
-            ("test", model.test_step),
-            ("predict", model.predict_step),
-        ):
-
-            def run(data, step=step):
-                return self.strategy.run(step, args=(data,))
-
-            if not model.run_eagerly:
-                run = tf.function(
-                    run,
-                    reduce_retracing=True,
-                    jit_compile=model.jit_compile is True,
-                )
-            self._steps[name] = run
+        self._steps = ModelSteps(model)
 
     # Keras' functions.
 
     def train(self, iterator):
         """`model.train_function`: the next steps' batches, trained."""
         batches = read(iterator, self.model.steps_per_execution)
-        self._build_optimizer(batches[0])
-        self._trace_on("train", iterator)
+        self._steps.build_optimizer(batches[0])
+        self._steps.trace_on("train", iterator)
         for batch in batches:
             logs = self._run("train", batch)
         return logs
 
-    def _build_optimizer(self, batch) -> None:
-        """Builds the optimizer before the first step: built in that
-        step's trace, a step that ran out would leave it unusable. A model
-        not built yet (subclassed, or without an `Input`) is built first,
-        by its call on one example, as Keras' first step would."""
-        optimizer = self.model.optimizer
-        if optimizer is None or optimizer.built:
-            return
-        if not self.model.built:
-            x = keras.utils.unpack_x_y_sample_weight(batch)[0]
-            one = sliced(first_share(x, self.strategy), 0, 1)
-            self.model(one, training=False)
-        with self.strategy.scope():
-            optimizer.build(self.model.trainable_variables)
-
     def test(self, iterator):
         """`model.test_function`: the next steps' batches, evaluated."""
         batches = read(iterator, self.model.steps_per_execution)
-        self._trace_on("test", iterator)
+        self._steps.trace_on("test", iterator)
         for batch in batches:
             logs = self._run("test", batch)
         return logs
@@ -151,32 +139,18 @@ class HeldSteps:
         ]
         return joined(outputs)
 
-    def _trace_on(self, name: str, iterator) -> None:
-        """Traces the `name` step once for the data's own element spec,
-        as Keras traces its step on the iterator, before a batch of
-        known rows comes: what Keras reads from a batch's static shape
-        (the rows a multi-output model's per-output losses are averaged
-        by) is then what it reads under Keras' own step."""
-        if (
-            name in self._traced
-            or self.strategy.num_replicas_in_sync > 1
-            or self.model.run_eagerly
-        ):
-            return
-        self._traced.add(name)
-        spec = getattr(iterator, "element_spec", None)
-        if spec is not None:
-            self._steps[name].get_concrete_function(without_optionals(spec))
-
     # One batch.
 
     def _run(self, name: str, batch):
         """`batch` through the `name` step, in micro-batches as many as
         `MicroBatchSize` says; again in smaller ones after an OOM."""
-        size = self.sizes[name]
+        key = (name, example_shape(batch))
+        if key not in self._sizes:
+            self._sizes[key] = self._new_size(name)
+        size = self._size = self._sizes[key]
         rows = rows_of(batch)
-        in_use = self._in_use() if size.grow_back_due() else None
-        grown = size.grow_back_rows(in_use)
+        in_use = self.readings.in_use() if size.grow_back_due() else None
+        grown = self._agreed_rows(size.grow_back_rows(in_use))
         if grown is not None:
             before = size.rows_for(rows)
             result = self._attempt(name, batch, rows, grown)
@@ -194,7 +168,8 @@ class HeldSteps:
                 size.trained()
                 return result
         while True:
-            result = self._attempt(name, batch, rows, size.rows_for(rows))
+            piece = self._agreed_rows(size.rows_for(rows))
+            result = self._attempt(name, batch, rows, piece)
             if result is not _RAN_OUT:
                 size.trained()
                 return result
@@ -233,9 +208,12 @@ class HeldSteps:
         try:
             if self.strategy.num_replicas_in_sync > 1:
                 # Equal pieces of every share; a probe's size sets them.
-                size = self.sizes["train"]
-                piece = size.probe_rows() or piece
-                pieces = min(math.ceil(rows / piece), split.most_pieces())
+                size = self._size
+                piece = self._agreed_rows(size.probe_rows() or piece)
+                pieces = min(
+                    self._agreed(math.ceil(rows / piece), most=True),
+                    self._agreed(split.most_pieces()),
+                )
                 self._planned = pieces
                 for index in range(pieces):
                     bounds = split.uniform_bounds(index, pieces)
@@ -243,7 +221,9 @@ class HeldSteps:
                     self._measured(
                         "train",
                         largest,
-                        lambda bounds=bounds: split.train_piece(bounds),
+                        lambda bounds=bounds: split.on_every_worker(
+                            lambda: split.train_piece(bounds)
+                        ),
                     )
             else:
                 self._each_piece(
@@ -270,7 +250,7 @@ class HeldSteps:
             lambda start, end: reduced(
                 self.strategy,
                 name,
-                self._steps[name](sliced(batch, start, end, self.strategy)),
+                self._steps(name, sliced(batch, start, end, self.strategy)),
                 reduce,
             ),
             batch=batch,
@@ -297,7 +277,7 @@ class HeldSteps:
         results. Given the `batch`, a micro-batch that runs out is run
         again smaller (each is a step of its own); else the error ends
         the attempt."""
-        size, start, results = self.sizes[name], 0, []
+        size, start, results = self._size, 0, []
         while start < rows:
             probe = size.probe_rows()
             end = min(rows, start + (probe or piece))
@@ -324,38 +304,46 @@ class HeldSteps:
         return results
 
     def _measured_step(self, name: str, batch, rows: int):
+        if self._agreed_step is not None and name == "train":
+            step = self._agreed_step
+            return self._measured(name, rows, lambda: step(iter([batch])))
         return self._measured(
             name,
             rows,
-            lambda: reduced(self.strategy, name, self._steps[name](batch)),
+            lambda: reduced(self.strategy, name, self._steps(name, batch)),
+        )
+
+    def _agreed_rows(self, rows: int | None) -> int | None:
+        """`rows`, the fewest any worker asked for (see `agreed_rows`)."""
+        return agreed_rows(self.strategy, rows) if self._workers else rows
+
+    def _agreed(self, count: int, most: bool = False) -> int:
+        """`count`; under a multi-worker strategy, the fewest (or `most`)
+        of every worker's."""
+        return (
+            agreed_count(self.strategy, count, most) if self._workers else count
         )
 
     def _measured(self, name: str, rows: int, run):
         """`run()`, a (micro-)batch of `rows`: an error in it is charged to
         `rows`, and its peak above what was in use before goes to
         `MicroBatchSize`."""
-        before = self._in_use()
-        self.window.reset()
+        before = self.readings.in_use()
+        self.readings.reset()
         self._pieces += 1
         self._running = rows
         result = run()
-        self.sizes[name].measured(rows, self._peak(), before)
+        self._size.measured(rows, self.readings.peak(), before)
         return result
 
     def _after_oom(self, name: str, err, batch, piece: int):
         """Decides the next attempt after `err`, which micro-batches of
         `piece` rows ran into, or raises."""
         total = sum(share_rows(batch))
-        _refuse_xla_on_cpu(self.model, err)
+        refuse_xla_on_cpu(self.model, err)
         if self.guard.touched():
             raise OutOfMemoryError(
-                f"Out of memory inside the update of a batch of {total} "
-                "(every gradient existed; the optimizer had begun to change "
-                "the weights, so they may be partly updated). The step is "
-                "not retried. Instead, restart from the last checkpoint "
-                "(`keras.callbacks.BackupAndRestore`) with a smaller batch "
-                f"or more free memory. The error: {first_line(err)}",
-                tried_batch_sizes=(total,),
+                in_the_update(total, err), tried_batch_sizes=(total,)
             ) from err
         try:
             refusal = self._refusal_of(name, batch)
@@ -368,27 +356,33 @@ class HeldSteps:
             ) from probe_error
         if refusal is not None:
             raise OutOfMemoryError(
-                f"A batch of {total} ran out of memory and is not split into "
-                f"micro-batches: {refusal}, so their sum would not be the "
-                "batch's. Instead, use a smaller `batch_size`. The error: "
-                f"{first_line(err)}",
-                tried_batch_sizes=(total,),
+                not_split(total, refusal, err), tried_batch_sizes=(total,)
             ) from err
-        in_use = self._in_use()
+        in_use = self.readings.in_use()
         if in_use is not None and name == "train" and self._splits_update():
             # The split's gradient sums, which the next attempt makes.
             in_use += self._split.sum_bytes()
-        smaller = self.sizes[name].ran_out(piece, in_use)
+        if (
+            self.max_retries is not None
+            and self.record.errors >= self.max_retries
+        ):
+            raise OutOfMemoryError(
+                retries_used_up(total, self.max_retries, err),
+                tried_batch_sizes=(total,),
+            ) from err
+        # Every worker raises, or none.
+        smaller = self._agreed_rows(self._size.ran_out(piece, in_use))
         if smaller is None:
             raise OutOfMemoryError(
-                one_example(total, err), tried_batch_sizes=(total,)
+                one_example(total, err, self._size.floor),
+                tried_batch_sizes=(total,),
             ) from err
         self.record.ran_out(
             name,
             err,
             total,
             smaller,
-            self.sizes[name].probe_rows(),
+            self._size.probe_rows(),
             accumulation_steps_of(self.model),
         )
 
@@ -402,19 +396,3 @@ class HeldSteps:
                 self.model, batch, name, self.split_batch_norm
             )
         return self._refusal[name]
-
-    def _in_use(self):
-        """The most bytes in use on a device of the run, or `None`."""
-        return _most(
-            memory.memory_info(d, include_limit=False).current_bytes
-            for d in self.devices
-        )
-
-    def _peak(self):
-        """The highest peak since `window.reset()`, or `None`."""
-        return _most(self.window.peak_bytes(d) for d in self.devices)
-
-
-def _most(readings):
-    readings = list(readings)
-    return None if None in readings else max(readings)

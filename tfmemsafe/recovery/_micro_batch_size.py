@@ -39,12 +39,21 @@ class MicroBatchSize:
             doubles; `None`: never.
         limit_bytes: int or `None`. The device's memory limit (`None`:
             unknown, so nothing is predicted).
+        rows: int or `None`. The rows to start at; `None`: whole batches.
+        floor: int. The fewest rows a micro-batch may have.
     """
 
-    def __init__(self, grow_back_after: int | None, limit_bytes: int | None):
+    def __init__(
+        self,
+        grow_back_after: int | None,
+        limit_bytes: int | None,
+        rows: int | None = None,
+        floor: int = 1,
+    ):
         self.grow_back_after = grow_back_after
         self.limit_bytes = limit_bytes
-        self.rows = None  # Rows of a micro-batch; `None`: the whole batch.
+        self.floor = floor
+        self.rows = rows  # Rows of a micro-batch; `None`: the whole batch.
         self.clean_steps = 0
         # Rows -> the peak above what was in use, last measured at them.
         self._above = {}
@@ -74,7 +83,8 @@ class MicroBatchSize:
         if probed:
             fitting = self._fitting_rows(in_use_bytes)
             if fitting is not None:
-                self.rows = max(1, self._below_failures(fitting, in_use_bytes))
+                fitting = self._below_failures(fitting, in_use_bytes)
+                self.rows = max(self.floor, fitting)
 
     def trained(self) -> None:
         """Counts a clean step."""
@@ -82,9 +92,10 @@ class MicroBatchSize:
 
     def ran_out(self, rows: int, in_use_bytes) -> int | None:
         """The micro-batch rows to try after micro-batches of `rows` ran
-        out with `in_use_bytes` in use; `None` when `rows` was 1."""
+        out with `in_use_bytes` in use; `None` when `rows` was the
+        floor."""
         self.clean_steps = 0
-        if rows <= 1:
+        if rows <= self.floor:
             return None
         held = self._ran_out.get(rows)
         if held is None or in_use_bytes is None or in_use_bytes < held:
@@ -92,11 +103,11 @@ class MicroBatchSize:
         fitting = self._fitting_rows(in_use_bytes)
         if fitting is None and in_use_bytes is not None and not self._above:
             # Nothing measured yet: measure a small first piece.
-            self._probe = max(1, rows // _PROBE_FRACTION)
+            self._probe = max(self.floor, rows // _PROBE_FRACTION)
             fitting = rows // 2
         elif fitting is None or fitting >= rows:
             fitting = rows // 2  # The prediction was wrong: halve.
-        self.rows = max(1, self._below_failures(fitting, in_use_bytes))
+        self.rows = max(self.floor, self._below_failures(fitting, in_use_bytes))
         return self.rows
 
     def grow_back_due(self) -> bool:
@@ -169,3 +180,38 @@ class MicroBatchSize:
             if held is None or in_use_bytes is None or held <= in_use_bytes
         ]
         return rows if not failed else min(rows, min(failed) - 1)
+
+
+class DeviceReadings:
+    """What the devices of a strategy hold now, and their peak since the
+    last `reset`: the measurements `MicroBatchSize` learns from.
+
+    Args:
+        strategy: The model's `tf.distribute.Strategy`.
+    """
+
+    def __init__(self, strategy):
+        with strategy.scope():
+            self.devices = memory.default_devices()
+        self.limit_bytes = memory.memory_info(self.devices[0]).limit_bytes
+        self._window = memory.PeakWindow(self.devices)
+
+    def reset(self) -> None:
+        """Starts a new peak."""
+        self._window.reset()
+
+    def in_use(self):
+        """The most bytes in use on a device, or `None` (no statistics)."""
+        return _most(
+            memory.memory_info(d, include_limit=False).current_bytes
+            for d in self.devices
+        )
+
+    def peak(self):
+        """The highest peak on a device since `reset`, or `None`."""
+        return _most(self._window.peak_bytes(d) for d in self.devices)
+
+
+def _most(readings):
+    readings = list(readings)
+    return None if None in readings else max(readings)

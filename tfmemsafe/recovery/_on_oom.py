@@ -1,23 +1,21 @@
-"""`SplitBatchOnOOM`: the Keras callback that recovers inside the step,
-and `model.fit` with it for `tfmemsafe.fit` (`fit_in_step`)."""
+"""`SplitBatchOnOOM`: the Keras callback that recovers inside the step."""
 
 from __future__ import annotations
 
-import collections.abc
-import types
+import contextlib
 import weakref
 
 import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmemsafe import _pipelines
+from tfmemsafe import _checks
 from tfmemsafe import distribute
 from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
+from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._step_guard import StepGuard
-from tfmemsafe.history import FitHistory
-from tfmemsafe.history import fit_history_of
+from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._held_step import HeldSteps
 
 # The callback whose held functions a model has now.
@@ -61,6 +59,13 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     batch would. Evaluation sums its metrics over the micro-batches;
     prediction joins their outputs.
 
+    Under a `MultiWorkerMirroredStrategy` it splits training only (Keras'
+    own `train_step` or `AccumulatingModel`'s): each worker's part of a
+    step finishes before the update's all-reduce begins, the workers then
+    agree whether any ran out, and every worker splits the batch into the
+    same micro-batches (the fewest rows any worker's measurement asks
+    for). Its evaluation is Keras' own.
+
     An error inside the optimizer's update itself (after every gradient
     exists) is not retried: the weights may be partly updated, and
     `tfmemsafe.OutOfMemoryError` says so. A micro-batch of one example
@@ -74,6 +79,17 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             normalized by its own statistics and updates the moving ones,
             as under any gradient accumulation, so the update is close to
             the whole batch's but not the same. Defaults to `False`.
+        micro_batch_size: int or `None`. The rows of each training
+            micro-batch from the first step: a batch known not to fit
+            (`tfmemsafe.fit`'s pre-flight estimate sets it) is split from
+            the start, and grows back as above. Defaults to `None`: whole
+            batches until one runs out.
+        min_micro_batch_size: int. The fewest rows a micro-batch may
+            have; a micro-batch of that many that runs out raises
+            `tfmemsafe.OutOfMemoryError`. Defaults to `1`.
+        max_retries: int or `None`. How many out-of-memory errors to
+            recover from before raising `tfmemsafe.OutOfMemoryError`.
+            Defaults to `None`: no limit.
 
     Attributes:
         oom_events: list of `tfmemsafe.OOMEvent`, one per error recovered
@@ -88,29 +104,36 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, grow_back_after: int | None = 100, split_batch_norm: bool = False
+        self,
+        grow_back_after: int | None = 100,
+        split_batch_norm: bool = False,
+        *,
+        micro_batch_size: int | None = None,
+        min_micro_batch_size: int = 1,
+        max_retries: int | None = None,
     ):
         super().__init__()
-        if grow_back_after is not None and (
-            not isinstance(grow_back_after, int)
-            or isinstance(grow_back_after, bool)
-            or grow_back_after < 1
+        for name, value in (
+            ("grow_back_after", grow_back_after),
+            ("micro_batch_size", micro_batch_size),
+            ("max_retries", max_retries),
         ):
-            raise ValueError(
-                "`grow_back_after` must be an integer >= 1 or `None`. "
-                f"Received: grow_back_after={grow_back_after!r}"
-            )
-        if not isinstance(split_batch_norm, bool):
-            raise ValueError(
-                "`split_batch_norm` must be a bool. Received: "
-                f"split_batch_norm={split_batch_norm!r}"
-            )
-        self.grow_back_after = grow_back_after
-        self.split_batch_norm = split_batch_norm
+            if value is not None:
+                _checks.integer(name, value, 1 if name != "max_retries" else 0)
+        self.grow_back_after = _whole(grow_back_after)
+        self.split_batch_norm = _checks.boolean(
+            "split_batch_norm", split_batch_norm
+        )
+        self.micro_batch_size = _whole(micro_batch_size)
+        self.min_micro_batch_size = _checks.integer(
+            "min_micro_batch_size", min_micro_batch_size, 1
+        )
+        self.max_retries = _whole(max_retries)
         self.oom_events = []
         self.grow_back_events = []
         self._held = None
         self._guard = None
+        self._scope = None
         self._keras_functions = {}
         self._phases = []  # The open phases, outermost first.
         # Whether Keras began a batch of this callback's loop since the
@@ -125,7 +148,11 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         if not self._phases:
             self._open()
         self._phases.append(phase)
-        if self._held is None:
+        if self._held is None or (
+            phase != "train"
+            and distribute.is_multi_worker(self.model.distribute_strategy)
+        ):
+            # A worker's evaluation has no step to agree in.
             return
         name = f"{phase}_function"
         self._keras_functions[name] = getattr(self.model, name)
@@ -144,11 +171,12 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
 
     def _open(self) -> None:
         model = self.model
-        if distribute.is_multi_worker(model.distribute_strategy):
+        if self._workers_cannot_agree(model):
             logging.warning(
-                "SplitBatchOnOOM does nothing under a multi-worker "
-                "strategy: use `tfmemsafe.fit`, whose workers agree on "
-                "each split."
+                "SplitBatchOnOOM does nothing here: under a multi-worker "
+                "strategy it splits only Keras' own `train_step` (or "
+                "`AccumulatingModel`'s), whose update can wait until every "
+                "worker's part has finished."
             )
             return
         stale = _OWNERS.get(model)
@@ -167,8 +195,18 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             optimizers_of(model) if training else [],
             gradient_accumulators_of(model) if training else [],
         )
+        # A step that runs out must not leave Grappler's temporary variable
+        # behind for its retry (`_per_step_variables`).
+        self._scope = contextlib.ExitStack()
+        self._scope.enter_context(without_per_step_variables())
         self._held = HeldSteps(
-            model, self._guard, self.grow_back_after, self.split_batch_norm
+            model,
+            self._guard,
+            self.grow_back_after,
+            self.split_batch_norm,
+            micro_batch_size=self.micro_batch_size,
+            min_micro_batch_size=self.min_micro_batch_size,
+            max_retries=self.max_retries,
         )
         _OWNERS[model] = self
 
@@ -180,7 +218,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             self.grow_back_events = self._held.record.grow_back_events
         if self._guard is not None:
             self._guard.close()
-        self._held = self._guard = None
+        if self._scope is not None:
+            self._scope.close()
+        self._held = self._guard = self._scope = None
         for name, function in self._keras_functions.items():
             setattr(self.model, name, function)
         self._keras_functions = {}
@@ -255,6 +295,13 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         if self._held is not None:
             self._held.record.step = batch
 
+    @staticmethod
+    def _workers_cannot_agree(model) -> bool:
+        return (
+            distribute.is_multi_worker(model.distribute_strategy)
+            and type(model).train_step not in OWN_TRAIN_STEPS
+        )
+
     def _reset(self) -> None:
         """Closes a run an error ended (Keras calls no `on_*_end` then)."""
         if self._phases:
@@ -262,93 +309,5 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             self._close()
 
 
-def in_step_only(x, steps_per_epoch) -> bool:
-    """Whether `x` trains only in `model.fit`'s own loop: data that
-    cannot be batched again (a `PyDataset`, a generator or iterator), or
-    `steps_per_epoch`, with which `model.fit` keeps one iterator across
-    epochs."""
-    return is_iterable_only(x) or steps_per_epoch is not None
-
-
-def is_iterable_only(x) -> bool:
-    """Whether `x` is data only Keras' own loop reads: a `PyDataset`, or
-    a generator or iterator."""
-    return isinstance(
-        x,
-        (
-            keras.utils.PyDataset,
-            types.GeneratorType,
-            collections.abc.Iterator,
-        ),
-    )
-
-
-def fit_in_step(
-    model,
-    x,
-    y,
-    sample_weight,
-    callbacks,
-    *,
-    grow_back_after,
-    split_batch_norm,
-    **model_fit_arguments,
-) -> FitHistory:
-    """`model.fit` with `SplitBatchOnOOM`: a batch that runs out is split
-    in its step. A callable `batch_size -> dataset` is called once, and
-    an unbatched dataset batched, at the batch size."""
-    batch_size = model_fit_arguments.pop("batch_size")
-    if batch_size == "auto":
-        raise ValueError(
-            "`batch_size='auto'` needs data that can be batched again "
-            "(arrays, a tf.data.Dataset or a callable). Received: x of "
-            f"type {type(x).__name__}"
-        )
-    if y is None and isinstance(x, tuple) and len(x) in (2, 3):
-        # `tfmemsafe.fit`'s own form of arrays: `(x, y[, sample_weight])`.
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(x)
-    x, trained_at = _batched(x, batch_size)
-    if trained_at != batch_size:
-        batch_size = None  # A dataset now, batched.
-    validation = model_fit_arguments.get("validation_data")
-    if validation is not None:
-        size = model_fit_arguments["validation_batch_size"] or trained_at
-        validation, validated_at = _batched(validation, size)
-        model_fit_arguments["validation_data"] = validation
-        if validated_at != size:
-            model_fit_arguments["validation_batch_size"] = None
-    split = SplitBatchOnOOM(
-        grow_back_after=grow_back_after,
-        split_batch_norm=split_batch_norm,
-    )
-    history = fit_history_of(callbacks)
-    if history not in callbacks:
-        callbacks = [history, *callbacks]
-    model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        sample_weight=sample_weight,
-        callbacks=[*callbacks, split],
-        **model_fit_arguments,
-    )
-    history.oom_events.extend(split.oom_events)
-    history.grow_back_events.extend(split.grow_back_events)
-    history.batch_size = trained_at
-    return history
-
-
-def _batched(data, batch_size):
-    """`data` as `model.fit` takes it, and its batch size: a callable
-    `batch_size -> dataset` called, an unbatched dataset batched (at
-    `batch_size`, else 32); other data as it is."""
-    if callable(data) and not isinstance(data, keras.utils.PyDataset):
-        size = batch_size or 32
-        return data(size), size
-    if isinstance(data, tf.data.Dataset):
-        batched, size = _pipelines.batching_of(data)
-        if batched:
-            return data, size
-        size = batch_size or 32
-        return data.batch(size).prefetch(1), size
-    return data, batch_size
+def _whole(value):
+    return None if value is None else int(value)

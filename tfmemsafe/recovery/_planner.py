@@ -1,18 +1,18 @@
 """The one rule for what fits: what was measured first, then the estimate.
 
-A `SizePlanner` answers every "does it fit" of `fit`'s pre-flight check,
-the jump after an out-of-memory error, `find_max_batch_size` and
-`batch_size="auto"`. What this process has measured is a fact and comes
-first: a size that trained at a step and shape fits it, and a size that
-ran out does not. Between the two, first a static bound of the step,
-from the traced forward pass and counted state (`estimate._graph`): a
-batch under it fits without a probe. Only then a `MemoryEstimate` of
-the step decides, with one rule, `memory.fits_within` (`memory.HEADROOM`
-of the limit left free), its prediction plus what something else holds
-on the device now. The facts and the estimates are kept per model, for
-the life of the process, keyed by the step (training, evaluation,
-prediction), the optimizer and the shape of a sample; an estimate that
-could not be made says why once, and is not tried again in that call.
+A `SizePlanner` answers every "does it fit" of `fit`'s pre-flight check
+and of `find_max_batch_size` (and so `batch_size="auto"`). What this
+process has measured is a fact and comes first: a size that trained at
+a step and shape fits it, and a size that ran out does not. Between the
+two, first a static bound of the step, from the traced forward pass and
+counted state (`estimate._graph`): a batch under it fits without a
+probe. Only then a `MemoryEstimate` of the step decides, with one rule,
+`memory.fits_within` (`memory.HEADROOM` of the limit left free), its
+prediction plus what something else holds on the device now. The facts
+and the estimates are kept per model, for the life of the process, keyed
+by the step (training, evaluation, prediction), the optimizer and the
+shape of a sample; an estimate that could not be made says why once, and
+is not tried again in that call.
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ class _Facts:
     Attributes:
         trained: int. The largest batch size that trained (0 for none).
         ran_out: int or `None`. The smallest that ran out of memory.
-        held_when_ran_out: dict. Per device, what something else held
-            beside the model's state just after the last size ran out
-            (`note_held_after_failure`); empty when not read.
         estimate: `MemoryEstimate` or `None`. The step's estimate, once
             made.
     """
@@ -54,22 +51,11 @@ class _Facts:
     def __init__(self):
         self.trained = 0
         self.ran_out = None
-        self.held_when_ran_out = {}
         self.estimate = None
         self.bound = _UNTRACED
 
 
 _UNTRACED = object()
-
-# The default probes run at 8 and 32 before their own room check begins
-# (`estimate._probe.measure_default_sizes`).
-_UNCHECKED_PROBE = 32
-
-# What every device needs free before a sample of the data is read to
-# trace the bound just after an error. Reading data with the allocator
-# full can end the process inside TensorFlow (a host-to-device copy that
-# does not check its allocation), where a step would raise.
-_ROOM_TO_READ_DATA = 16 * 2**20
 
 # Per model: `(step, optimizer id, sample signature)` to its `_Facts`.
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,58 +94,6 @@ class SizePlanner:
         # before (memory held elsewhere, fragmentation).
         facts.trained = min(facts.trained, batch_size - 1)
 
-    def note_held_after_failure(self, phase: str, source) -> None:
-        """Reads what something else holds on each device, just after
-        `phase`'s step ran out and its attempt let go of its memory: the
-        size that ran out needs more than the rest of the limit."""
-        facts = self._facts_of(phase, source)
-        state = estimate_lib.state_bytes(self.model)
-        # The data's tensors are in an estimate's line (`data_on`), so
-        # the need is compared with it with them, not among what is held.
-        facts.held_when_ran_out = {
-            device: estimate_lib.held_bytes(
-                device, state + estimate_lib.data_held_on(device, source)
-            )
-            for device in estimate_lib.devices_of(self.model)
-        }
-
-    def fits_again(self, phase: str, source, batch_size: int) -> str:
-        """Whether `batch_size` is predicted to fit `phase`'s step now,
-        after it (or a smaller size) ran out of memory in this process.
-
-        Only an estimate already made decides (nothing is probed here):
-        for length buckets (`BucketedExamples`), their plan's, at every
-        bucket's batch scaled with `batch_size`. What ran out is a
-        measurement: the size needed more than the limit less what
-        something else held then, so its step is taken to need at least
-        that, whatever the estimate says. It fits again only once enough
-        of what was held then has been freed, by the one rule
-        (`memory.fits_within`).
-
-        Returns:
-            What decided it (`"peak 212.3 MiB predicted against 90% of
-            450.0 MiB on CPU:0"`) if it fits; `""` if not, or if there is
-            no estimate or no reading of what was held.
-        """
-        facts = self._facts_of(phase, source)
-        buckets = getattr(source, "buckets", None)
-        made = facts.estimate if buckets is None else buckets.estimate
-        if made is None or made.limit_bytes is None:
-            return ""
-        if buckets is None:
-            peak = _own_peak(made, batch_size, source)
-        else:  # The plan's memory model, at every bucket's batch.
-            peak = _buckets_peak(buckets, batch_size)
-        if _over(batch_size, facts.ran_out):
-            held_then = facts.held_when_ran_out.get(made.device)
-            if held_then is None:
-                return ""
-            peak = max(peak, made.limit_bytes - held_then)
-        peak += _held_beside(made, source)
-        if not memory.fits_within(peak, made.limit_bytes):
-            return ""
-        return _against_limit(made, peak)
-
     def halvings(
         self,
         phase: str,
@@ -168,19 +102,13 @@ class SizePlanner:
         floor: int,
         *,
         largest_probe: int,
-        just_failed: bool = False,
     ) -> tuple[int, str]:
         """How often to halve `batch_size` for `phase`'s step to fit.
 
         A size at or above one that ran out is halved; a size at or below
         one that trained is not; in between the static bound, then the
         estimate decide (made now if not yet), with probes no larger than
-        `largest_probe`. It stops at `floor`. With `just_failed` (memory
-        may still be full), the bound is traced only with
-        `_ROOM_TO_READ_DATA` free on every device, and the estimate made
-        only where the bound says its first probes fit now
-        (`estimate_with_room`); else what was measured and what is made
-        already decide.
+        `largest_probe`. It stops at `floor`.
 
         Returns:
             The number of halvings (0 when nothing says to halve), and
@@ -191,19 +119,9 @@ class SizePlanner:
         while _over(size, facts.ran_out) and size // 2 >= floor:
             size, count = size // 2, count + 1
             why = f"batch size {facts.ran_out} ran out of memory before"
-        may_trace = not just_failed or self._room_to_read_data()
-        if size <= facts.trained or self._under_bound(
-            facts, source, size, may_trace=may_trace
-        ):
+        if size <= facts.trained or self._under_bound(facts, source, size):
             return count, why
-        if just_failed and not (may_trace and facts.bound is None):
-            made = self.estimate_with_room(
-                phase, source, largest_probe, may_trace=may_trace
-            )
-        else:
-            # Before any error; or no bound can be known, and there is room
-            # to read data: the probes' own room check decides.
-            made = self.estimate(phase, source, largest_probe)
+        made = self.estimate(phase, source, largest_probe)
         if made is None:
             return count, why
         start = size
@@ -250,23 +168,6 @@ class SizePlanner:
             facts.estimate = made
         return facts.estimate
 
-    def estimate_with_room(
-        self, phase: str, source, largest: int, *, may_trace: bool
-    ):
-        """`phase`'s estimate, as `estimate`, but made now only where the
-        static bound says the probes that run before their own room check
-        fit beside what is held now; else `None`, and it may be asked
-        again later (between epochs, once memory is freed). Without
-        `may_trace` (just after an error, memory maybe full), a bound not
-        traced yet counts as no room: tracing reads a sample of the data."""
-        facts = self._facts_of(phase, source)
-        if facts.estimate is not None:
-            return facts.estimate
-        probe = min(_UNCHECKED_PROBE, largest)
-        if not self._under_bound(facts, source, probe, may_trace=may_trace):
-            return None
-        return self.estimate(phase, source, largest)
-
     def _make(self, phase: str, source, largest: int):
         if distribute.is_multi_worker(self.model.distribute_strategy):
             return None, "a multi-worker job (workers could choose differently)"
@@ -283,27 +184,13 @@ class SizePlanner:
             return None, f"the memory limit of {made.device} is unknown"
         return made, ""
 
-    def _under_bound(
-        self, facts, source, batch_size: int, *, may_trace: bool = True
-    ) -> bool:
-        """Whether the step's static bound at `batch_size` fits, now;
-        without `may_trace`, `False` while the bound is not traced yet."""
+    def _under_bound(self, facts, source, batch_size: int) -> bool:
+        """Whether the step's static bound at `batch_size` fits, now."""
         if not self.memory_estimate:
             return False
         if facts.bound is _UNTRACED:
-            if not may_trace:
-                return False
             facts.bound = _StaticBound.of(self.model, source)
         return facts.bound is not None and facts.bound.fits(batch_size, source)
-
-    def _room_to_read_data(self) -> bool:
-        """Whether every device of the model has `_ROOM_TO_READ_DATA`
-        free now (or no limit that the allocator reports)."""
-        for device in estimate_lib.devices_of(self.model):
-            free = memory.free_bytes(device)
-            if free is not None and free < _ROOM_TO_READ_DATA:
-                return False
-        return True
 
     def _key(self, phase: str, source) -> tuple:
         optimizer = id(self.model.optimizer) if phase == "training" else 0
@@ -323,20 +210,6 @@ def _own_peak(made, batch_size: int, source) -> float:
     same, or another source's of the same sample shape)."""
     peak = made.peak_bytes(batch_size) + made.spare_bytes(batch_size)
     return peak - made.data_bytes + estimate_lib.data_on(made.device, source)
-
-
-def _buckets_peak(buckets, batch_size: int) -> float:
-    """The highest predicted peak (and spare room, as the plan keeps) of
-    length buckets' batches, each scaled with the first's `batch_size`."""
-    scaled = buckets.scaled(batch_size)
-    made = scaled.estimate
-    return max(
-        made.peak_bytes(size, length=length)
-        + made.spare_bytes(size, length=length)
-        for size, length in zip(
-            scaled.bucket_batch_sizes, scaled.lengths, strict=False
-        )
-    )
 
 
 def _held_beside(made, source) -> int:

@@ -1,12 +1,10 @@
-"""The one retry loop, and the one opening of a single-phase call.
+"""The retry loop of `find_max_batch_size`'s trials, and what every
+out-of-memory error is checked for first.
 
-`retry_on_oom` is the path every out-of-memory error takes, in `fit`,
-`evaluate`, `predict` and the trials of `find_max_batch_size`: the attempt
-fails, `memory.is_oom_error` tells a failed allocation from anything else,
-the caller's size policy halves the failed phase's batch (or gives up with
+`retry_on_oom`: the attempt fails, `memory.is_oom_error` tells a failed
+allocation from anything else, the caller decides (or gives up with
 `OutOfMemoryError`), the model lets go of what the attempt held, and the
-caller recovers. `SinglePhase` is what `evaluate` and `predict` share
-around it: their checks, sizes, planner and measurements.
+caller recovers. `refuse_xla_on_cpu` stops where nothing may be retried.
 """
 
 from __future__ import annotations
@@ -17,15 +15,10 @@ from typing import TypeVar
 
 import keras
 
-from tfmemsafe import _checks
 from tfmemsafe import memory
 from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._sample_batch import without_sample_batch
-from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.recovery._planner import SizePlanner
-from tfmemsafe.recovery._policy import SizeDecision
-from tfmemsafe.recovery._policy import SizePolicy
 
 _Result = TypeVar("_Result")
 _Failure = TypeVar("_Failure")
@@ -42,7 +35,7 @@ def retry_on_oom(
     Any error that `memory.is_oom_error` does not recognise, and
     `KeyboardInterrupt`, propagates at once, unchanged. An out-of-memory
     error of a model compiled with XLA on the CPU is not retried
-    (`ModelUnusableError`, see `_refuse_xla_on_cpu`). Attempts and
+    (`ModelUnusableError`, see `refuse_xla_on_cpu`). Attempts and
     recoveries run without Grappler's `AddN` rewrite, whose leftovers
     would make every attempt after a failed one fail
     (`without_per_step_variables`), and without the batch Keras reads
@@ -55,7 +48,7 @@ def retry_on_oom(
         attempt: Callable. One try of the job; its result is returned.
         on_oom: Callable. Called with the out-of-memory error, inside the
             `except` block: halves the batch of the phase that failed
-            (`SizePolicy.halve`), or raises to give up (chained from the
+            or raises to give up (chained from the
             error). What it returns goes to `recover`.
         recover: Callable. Called out of the `except` block, once the
             failed attempt's frames and the tensors they held can be
@@ -75,7 +68,7 @@ def retry_on_oom(
             except Exception as err:
                 if not memory.is_oom_error(err):
                     raise
-                _refuse_xla_on_cpu(model, err)
+                refuse_xla_on_cpu(model, err)
                 failure = on_oom(err)
             release(model)
             result = recover(failure)
@@ -91,7 +84,7 @@ class ModelUnusableError(OutOfMemoryError):
     """
 
 
-def _refuse_xla_on_cpu(model: keras.Model, err: Exception) -> None:
+def refuse_xla_on_cpu(model: keras.Model, err: Exception) -> None:
     """Raises `ModelUnusableError` if `err` came from XLA on the CPU.
 
     An allocation that fails inside a step compiled by XLA for the CPU
@@ -133,82 +126,3 @@ def release(model: keras.Model) -> None:
     # Keras' cached validation iterator; Keras has no public way to drop it.
     model._eval_epoch_iterator = None
     gc.collect()
-
-
-class SinglePhase:
-    """One `evaluate` or `predict` call: its data, sizes and planner.
-
-    Args:
-        phase: str. `"evaluation"` or `"prediction"`.
-        caller: str. The public function, for messages.
-        model: The `keras.Model`.
-        data: The user's data.
-        batch_size: int or `None`. The batch size to start at.
-        min_batch_size, max_retries, memory_estimate: As the caller takes
-            them; checked here.
-        labelled: bool. Whether arrays come as `(x, y[, sample_weight])`.
-    """
-
-    def __init__(
-        self,
-        phase: str,
-        caller: str,
-        model: keras.Model,
-        data,
-        *,
-        batch_size,
-        min_batch_size,
-        max_retries,
-        memory_estimate,
-        labelled: bool,
-    ):
-        _checks.retry_limits(min_batch_size, max_retries)
-        self.phase = phase
-        self.caller = caller
-        self.model = model
-        self.source = source_for(
-            data,
-            "data",
-            labelled=labelled,
-            strategy=model.distribute_strategy,
-        )
-        self.source.sample_signature()  # Now, not while memory is full.
-        size = self.source.resolve_batch_size(batch_size)
-        _checks.start_sizes(min_batch_size, batch_size=size)
-        self.policy = SizePolicy(
-            model,
-            {phase: size},
-            min_batch_size=min_batch_size,
-            max_retries=max_retries,
-        )
-        self.planner = SizePlanner(
-            model,
-            caller,
-            memory_estimate=_checks.boolean("memory_estimate", memory_estimate),
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return self.policy.batch_size(self.phase)
-
-    def run(
-        self,
-        attempt: Callable[[], _Result],
-        recover: Callable[[SizeDecision], _Result | None],
-    ) -> _Result:
-        """`retry_on_oom` with this call's sizes; `recover` gets each
-        decision (`jump` takes it further) and logs it."""
-
-        def on_oom(err):
-            self.planner.record_ran_out(
-                self.phase, self.source, self.batch_size
-            )
-            return self.policy.halve(self.phase, err)
-
-        result = retry_on_oom(self.model, attempt, on_oom, recover)
-        self.planner.record_trained(self.phase, self.source, self.batch_size)
-        return result
-
-    def jump(self, decision: SizeDecision) -> SizeDecision:
-        """`decision` taken on to the largest halving predicted to fit."""
-        return self.policy.jump(decision, self.planner, self.source)

@@ -26,6 +26,7 @@ class RunRecord:
         # Set by `SplitBatchOnOOM` from Keras' hooks.
         self.epoch = self.step = None
         self.in_fit = False
+        self.errors = 0  # Errors recovered from.
         # Errors waiting for the next attempt's micro-batch count.
         self._pending = []
 
@@ -40,6 +41,7 @@ class RunRecord:
 
     def ran_out(self, name, err, rows, smaller, probe, accumulation_steps):
         """Logs an error recovered from, whose event waits for `settle`."""
+        self.errors += 1
         pending = dict(
             epoch=self.epoch or 0,
             step=self.step or 0,
@@ -90,13 +92,46 @@ class RunRecord:
         )
 
 
-def one_example(rows: int, err) -> str:
-    """The message of a batch that runs out even one example at a time."""
+def one_example(rows: int, err, floor: int = 1) -> str:
+    """The message of a batch that runs out even in micro-batches of the
+    fewest rows allowed (`floor`)."""
+    smallest = (
+        "one example" if floor == 1 else f"{floor} rows (the smallest allowed)"
+    )
     return (
-        f"A batch of {rows} ran out of memory even as micro-batches of one "
-        "example. Instead, try mixed precision, gradient checkpointing "
+        f"A batch of {rows} ran out of memory even as micro-batches of "
+        f"{smallest}. Instead, try mixed precision, gradient checkpointing "
         "(`tfmemsafe.checkpoint_blocks`), a frozen backbone or a smaller "
         f"model. The error: {first_line(err)}"
+    )
+
+
+def in_the_update(rows: int, err) -> str:
+    """The message of a batch whose update itself ran out."""
+    return (
+        f"Out of memory inside the update of a batch of {rows} (every "
+        "gradient existed; the optimizer had begun to change the weights, "
+        "so they may be partly updated). The step is not retried. Instead, "
+        "restart from the last checkpoint (`keras.callbacks.BackupAndRestore`) "
+        f"with a smaller batch or more free memory. The error: "
+        f"{first_line(err)}"
+    )
+
+
+def not_split(rows: int, refusal: str, err) -> str:
+    """The message of a batch that cannot be split exactly (`refusal`)."""
+    return (
+        f"A batch of {rows} ran out of memory and is not split into "
+        f"micro-batches: {refusal}, so their sum would not be the batch's. "
+        f"Instead, use a smaller `batch_size`. The error: {first_line(err)}"
+    )
+
+
+def retries_used_up(rows: int, max_retries: int, err) -> str:
+    return (
+        f"A batch of {rows} ran out of memory, and the "
+        f"`max_retries={max_retries}` errors to recover from are used up. "
+        f"The error: {first_line(err)}"
     )
 
 

@@ -1,11 +1,7 @@
-"""One batch that ran out of memory, trained as micro-batches: `SplitBatch`.
+"""One held batch trained as micro-batches of one update: `SplitBatch`.
 
-Data batched by length buckets (`tfmemsafe.data`) has batches of many
-shapes; when one rare long batch runs out, the others still fit. Halving
-every bucket for the rest of the run would waste the device on all of
-them. So `tfmemsafe.fit` trains only the batch that ran out as 2 (then 4,
-8...) micro-batches, with the gradients of all of them made into one
-update, and goes on at the next batch at its normal size.
+`HeldSteps` opens a split when a batch ran out of memory (`begin`), trains
+its micro-batches (`train_piece`), and makes the one update (`finish`).
 
 The micro-batches go through the model's own `train_step`, so its loss,
 metrics and regularization are Keras' own. While they run, the
@@ -27,40 +23,24 @@ update divides by its share's rows; the update's all-reduce adds the
 replicas' parts, as in Keras' own step: the update of the whole batch,
 to rounding.
 
-Under a `MultiWorkerMirroredStrategy` every step is an `AgreedStep`: a
-worker that runs out of memory leaves the job's collectives usable, and
-every worker raises at the same step. Each then splits the batch the
-same way (the same decision from the same history, and the pieces of the
-same global batch: each worker trains its replicas' shares), and before
-the one update the workers agree again, so that a micro-batch that runs
-out on one worker splits the batch finer on all of them.
+Under a `MultiWorkerMirroredStrategy` each micro-batch is a worker's own
+part, with no collective; `HeldSteps` has every worker agree after each
+(`on_every_worker`), so that one that runs out on one worker splits the
+batch finer on all of them, before the one update's all-reduce.
 """
 
 from __future__ import annotations
 
 import threading
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmemsafe import _compat
 from tfmemsafe import distribute
-from tfmemsafe._sources import BucketedExamples
 from tfmemsafe._step_guard import StepGuard
-from tfmemsafe.accumulation import AccumulatingModel
-from tfmemsafe.recovery._agreed_step import AgreedStep
 from tfmemsafe.recovery._agreed_step import agree
 from tfmemsafe.recovery._agreed_step import update_name
 from tfmemsafe.recovery._agreed_step import updated_variables
-from tfmemsafe.recovery._policy import TRAINING
-
-_OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
-# The class of `tf.distribute.get_strategy()` outside any strategy's scope;
-# TensorFlow exports no name for it.
-_NO_STRATEGY = "_DefaultDistributionStrategy"
-# The most micro-batches a batch is split into before its rows are known.
-_MOST_PIECES = 1024
 
 
 class SplitBatch:
@@ -69,15 +49,20 @@ class SplitBatch:
     Args:
         model: The `keras.Model` being trained.
         guard: The call's `StepGuard` (it hands the update over).
-        source: The training `BucketedExamples`.
     """
 
-    def __init__(self, model, guard: StepGuard, source: BucketedExamples):
+    def __init__(self, model, guard: StepGuard):
         self.model = model
         self.guard = guard
-        self.source = source
         self.strategy = model.distribute_strategy
         self._replicas = self.strategy.num_replicas_in_sync
+        # This worker's replicas (all of them, but under a multi-worker
+        # strategy): the shares it holds.
+        self._local = (
+            1
+            if self._replicas == 1
+            else len(self.strategy.extended.worker_devices)
+        )
         # The open split (`begin` to `close`): each replica's share of
         # its batch, the compiled micro-batch step and its last logs.
         self._shares, self._step, self._logs = [], None, None
@@ -95,124 +80,7 @@ class SplitBatch:
         # gradients, `(id(variable), (values, indices))` (`sparse`).
         self._traced = threading.local()
         self._sparse_ids = []  # Whose those of the traced step's output are.
-        # The most pieces the last batch read again can be split into.
-        self.most_pieces_last_read = 0
         self._workers = distribute.is_multi_worker(self.strategy)
-
-    def train_function(self):
-        """The step to train with: under a `MultiWorkerMirroredStrategy`,
-        an `AgreedStep` (made again after Keras dropped the last one, as
-        a new `accumulation_steps` does); else `None`, Keras' own."""
-        if not self._workers:
-            return None
-        if not isinstance(self.model.train_function, AgreedStep):
-            return AgreedStep(self.model, self.guard)
-        return self.model.train_function
-
-    @classmethod
-    def for_run(
-        cls, model, settings, source, guard, other_arguments
-    ) -> SplitBatch | None:
-        """A `SplitBatch` where a failed batch can be split, else `None`.
-
-        Only bucketed data has batches of other shapes that still fit.
-        The model must train with Keras' (or `AccumulatingModel`'s) own
-        step, whose only update is one `apply` (or `accumulate`), traced
-        (not run eagerly), outside any `tf.distribute` strategy or under
-        a `MirroredStrategy` or a `MultiWorkerMirroredStrategy` (there
-        with one step per call, and no `BatchNormalization` synchronized
-        across replicas, whose forward pass is a collective); its loss
-        must average over the batch's rows, so that each micro-batch
-        weighs its rows (not a `reduction` of another kind, a
-        `class_weight`, or outputs with a mask, whose loss averages over
-        the unmasked steps). The epoch must be able to go on at the
-        next batch, which `steps_per_epoch` (a count of batches at the
-        old place) rules out.
-        """
-        if (
-            not isinstance(source, BucketedExamples)
-            or type(model).train_step not in _OWN_TRAIN_STEPS
-            or not _strategy_can_split(model)
-            or model.run_eagerly
-            or tf.config.functions_run_eagerly()
-            or settings.steps_per_epoch is not None
-            or other_arguments.get("class_weight") is not None
-            or not _loss_averages_over_rows(model, source)
-        ):
-            return None
-        return cls(model, guard, source)
-
-    def pieces(self, position, last, update_began: bool) -> int:
-        """Into how many micro-batches the failed batch is split; 0 to
-        shrink the batch size instead.
-
-        Args:
-            position: The run's `Position` (where the failure was).
-            last: The `ResumePoint` the failed attempt started at: after a
-                split of the same step, twice its pieces.
-            update_began: bool. Whether an update of the step had begun.
-        """
-        if (
-            position.phase != TRAINING
-            or position.ending
-            or update_began
-            or not self.source.batches_are_reproducible()
-        ):
-            return 0
-        again = last.split and (last.epoch, last.resumed_at_step) == (
-            position.epoch,
-            position.step,
-        )
-        if not again:
-            return 2
-        # Pieces of one example each ran out (or, if the batch could not
-        # even be read, very many): shrinking is what is left.
-        most = self.most_pieces_last_read or _MOST_PIECES
-        return 0 if last.split >= most else 2 * last.split
-
-    def batch_at(self, batch_size: int, step: int):
-        """The epoch's batch `step` again, read from a new pipeline, and
-        whether it is the epoch's last."""
-        self.most_pieces_last_read = 0
-
-        def read():
-            batches = iter(self.source.dataset(batch_size).skip(step).take(2))
-            return batches, next(batches, None)
-
-        batches, batch = self._on_every_worker(read)
-        if batch is None:
-            raise ValueError(
-                f"The training data gave no batch {step} when it was read "
-                "again to split it: its batches are not the same at each "
-                "pass."
-            )
-        self.most_pieces_last_read = _most_pieces(_rows(batch), self._replicas)
-        return batch, next(batches, None) is None
-
-    def train(self, batch, pieces: int) -> dict:
-        """Trains `batch` as `pieces` micro-batches and one update.
-
-        Returns:
-            The logs of the step (the metrics after its last micro-batch).
-
-        Raises:
-            tf.errors.ResourceExhaustedError: A micro-batch ran out too;
-                the model's variables and optimizer are as before.
-        """
-        self.begin(batch)
-        try:
-            pieces = min(pieces, self.most_pieces())
-            # Every worker updates, or every worker splits finer.
-            self._on_every_worker(
-                lambda: [
-                    self.train_piece(self.uniform_bounds(index, pieces))
-                    for index in range(pieces)
-                ]
-            )
-            return self.finish()
-        finally:
-            self.close()
-            self.release()
 
     def begin(self, batch) -> None:
         """Opens the split of `batch` (a batch as Keras' step takes it, or
@@ -220,7 +88,7 @@ class SplitBatch:
         gradient sums start at zero. The sums and the compiled steps are
         made at the first split and kept until `release`, so that later
         splits trace nothing again."""
-        self._shares = _replica_shares(batch, self.strategy, self._replicas)
+        self._shares = _replica_shares(batch, self.strategy, self._local)
         self._sparse = {}
         if self._sums:
             self._zero()
@@ -228,7 +96,7 @@ class SplitBatch:
         # Made before the sums (whose creation under a multi-worker
         # strategy is a collective), so that one worker's failure to make
         # them is every worker's.
-        zeros = self._on_every_worker(
+        zeros = self.on_every_worker(
             lambda: [
                 tf.zeros(v.shape, v.dtype)
                 for v in self.model.trainable_variables
@@ -343,7 +211,7 @@ class SplitBatch:
         self._zero = None
         self._dense = set()
 
-    def _on_every_worker(self, work):
+    def on_every_worker(self, work):
         """`work()`'s result; under a multi-worker strategy, once every
         worker's has finished, and if any failed, an error on every
         worker (`agree`)."""
@@ -362,10 +230,11 @@ class SplitBatch:
         share: under a strategy, on each replica."""
         if self._replicas == 1:
             return _slice(self._shares[0], *bounds[0])
+        # A worker's replicas are numbered on from the workers' before it.
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: _slice(
-                self._shares[context.replica_id_in_sync_group],
-                *bounds[context.replica_id_in_sync_group],
+                self._shares[context.replica_id_in_sync_group % self._local],
+                *bounds[context.replica_id_in_sync_group % self._local],
             )
         )
 
@@ -459,25 +328,6 @@ class SplitBatch:
         return slices if dense is None else dense + tf.convert_to_tensor(slices)
 
 
-def _strategy_can_split(model) -> bool:
-    """Whether the model's strategy is none, a `MirroredStrategy`, or a
-    `MultiWorkerMirroredStrategy` whose step can agree before its update
-    (`AgreedStep`): one step per call (Keras' loop of several steps in
-    one function has no place between them to agree), and no collective
-    in the forward pass."""
-    strategy = model.distribute_strategy
-    if type(strategy).__name__ == _NO_STRATEGY:
-        return True
-    if isinstance(strategy, tf.distribute.MirroredStrategy):
-        return True
-    if not distribute.is_multi_worker(strategy):
-        return False
-    layers = _compat.nested_layers(model)
-    return getattr(model, "steps_per_execution", 1) == 1 and not any(
-        getattr(layer, "synchronized", False) is True for layer in layers
-    )
-
-
 def _summed(initial) -> tf.Variable:
     """A sum of the split batch's: under a strategy, each replica's own
     (read in a replica, its own; outside, all of them added)."""
@@ -486,24 +336,6 @@ def _summed(initial) -> tf.Variable:
         trainable=False,
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=tf.VariableAggregation.SUM,
-    )
-
-
-def _loss_averages_over_rows(model, source) -> bool:
-    """Whether the compiled loss divides by the batch's rows: Keras'
-    default reduction, and outputs without a mask (read from one
-    example's forward pass)."""
-    # Keras has no public list of the compiled losses (the same reach as
-    # `AccumulatingModel._sample_count`); where it cannot be read, the
-    # default reduction is assumed.
-    losses = getattr(getattr(model, "_compile_loss", None), "_flat_losses", [])
-    for entry in losses or []:
-        reduction = getattr(getattr(entry, "loss", None), "reduction", None)
-        if reduction not in (None, "sum_over_batch_size"):
-            return False
-    outputs = model(source.sample_inputs(), training=False)
-    return not any(
-        _compat.has_keras_mask(output) for output in tf.nest.flatten(outputs)
     )
 
 
@@ -516,13 +348,6 @@ def _shares(rows: int, replicas: int) -> np.ndarray:
     each = -(-rows // replicas)
     sizes = [min(max(rows - r * each, 0), each) for r in range(replicas)]
     return np.cumsum([0, *sizes])
-
-
-def _most_pieces(rows: int, replicas: int) -> int:
-    """The most pieces a batch of `rows` is split into: each keeps a row
-    of every replica's share (of those with any)."""
-    sizes = np.diff(_shares(rows, replicas))
-    return int(min((size for size in sizes if size), default=1))
 
 
 def _replica_shares(batch, strategy, replicas: int) -> list:

@@ -11,9 +11,11 @@ back in the parent where `tfmemsafe.is_oom_error` recognises it.
 `AllocatorFailures` counts the allocator's own out-of-memory reports and
 `training_peak_bytes` reads its peak. `HeldMemory` fills the capped
 allocator at a chosen step, as memory that something else holds. For
-tests in this process, `SimulatedOutOfMemory` raises the error at chosen
-steps; `reference_model`, `random_data` and `random_images` give seeded
-networks and data that tests and benchmarks share.
+tests in this process, `OutOfMemoryAbove` raises the error inside the
+step on batches above some rows, and `SimulatedOutOfMemory` from a
+callback at chosen steps; `reference_model`, `random_data` and
+`random_images` give seeded networks and data that tests and benchmarks
+share.
 """
 
 from tfmemsafe.testing._allocator import AllocatorFailures
@@ -27,11 +29,13 @@ from tfmemsafe.testing._reference import reference_model
 from tfmemsafe.testing._runners import run_in_subprocess
 from tfmemsafe.testing._runners import run_with_memory_cap
 from tfmemsafe.testing._runners import run_workers
+from tfmemsafe.testing._simulated_oom import OutOfMemoryAbove
 from tfmemsafe.testing._simulated_oom import SimulatedOutOfMemory
 
 __all__ = [
     "AllocatorFailures",
     "HeldMemory",
+    "OutOfMemoryAbove",
     "SimulatedOutOfMemory",
     "SubprocessError",
     "memory_cap_environment",
