@@ -809,6 +809,22 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         with self.assertRaisesRegex(TypeError, text):
             self._plan(length_fn=fn)
 
+    def test_a_length_fn_that_returns_nothing_is_refused(self):
+        with self.assertRaisesRegex(
+            TypeError, "`length_fn` must return a scalar integer"
+        ):
+            self._plan(length_fn=lambda x, i: None)
+
+    def test_padded_batches_are_refused_where_they_would_be_batched_again(
+        self,
+    ):
+        model = testing.reference_model("gru", (None,))
+        padded = _labelled(_sequences(count=40, longest=100)[0]).padded_batch(8)
+        with self.assertRaisesRegex(ValueError, "`x` is batched already"):
+            tfmemsafe.fit(model, padded, batch_size="auto", verbose=0)
+        with self.assertRaisesRegex(ValueError, "`data` is batched, and its"):
+            tfmemsafe.estimate_memory(model, padded, lengths=[16, 32])
+
     def test_a_negative_length_is_refused(self):
         with self.assertRaisesRegex(
             ValueError, "lengths >= 0.*-1 for example 0"

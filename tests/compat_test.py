@@ -1,6 +1,6 @@
-"""Each private Keras name `tfmemsafe._compat` reads, checked against the
-installed Keras: a release that moves one fails here, loudly, before it
-changes what tfmemsafe does."""
+"""Each private Keras or TensorFlow name `tfmemsafe._compat` reads,
+checked against the installed release: one that moves a name fails here,
+loudly, before it changes what tfmemsafe does."""
 
 from unittest import mock
 
@@ -56,6 +56,40 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertTrue(_compat.has_keras_mask(masked))
         self.assertFalse(_compat.has_keras_mask(tf.ones((1, 2))))
 
+    def test_the_cached_validation_iterator_is_dropped(self):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        x = np.zeros((8, 4), "float32")
+        stop = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: 1 / 0
+        )
+        with self.assertRaises(ZeroDivisionError):
+            model.fit(
+                x,
+                x[:, :1],
+                validation_data=(x, x[:, :1]),
+                callbacks=[stop],
+                verbose=0,
+            )
+        # A fit that raised leaves it behind.
+        self.assertIsNotNone(model._eval_epoch_iterator)  # noqa: SLF001
+        _compat.drop_cached_validation_iterator(model)
+        self.assertIsNone(model._eval_epoch_iterator)  # noqa: SLF001
+
+    def test_the_compiled_loss_and_metrics_are_read(self):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=["mae"])
+        parts = _compat.compiled_loss_and_metrics(model)
+        self.assertLen(parts, 2)
+        self.assertIsInstance(parts[1], keras.losses.Loss)
+
+    def test_one_process_is_not_in_multi_worker_mode(self):
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        self.assertTrue(
+            hasattr(strategy.extended, "_in_multi_worker_mode"),
+        )
+        self.assertFalse(_compat.in_multi_worker_mode(strategy))
+
 
 class FallbackTest(tf.test.TestCase):
     """Where a name is gone, a warning, and the reading that refuses."""
@@ -70,6 +104,21 @@ class FallbackTest(tf.test.TestCase):
 
         with self.assertWarnsRegex(RuntimeWarning, "_flatten_layers"):
             self.assertEqual(_compat.nested_layers(Bare()), ["a", "b"])
+
+    def test_a_missing_compiled_loss_counts_the_model_as_not_built(self):
+        with self.assertWarnsRegex(RuntimeWarning, "_compile_loss"):
+            self.assertEqual(_compat.compiled_loss_and_metrics(object()), [])
+
+    def test_a_missing_multi_worker_mode_counts_the_cluster(self):
+        class Extended:
+            pass
+
+        class Strategy:
+            extended = Extended()
+            cluster_resolver = None
+
+        with self.assertWarnsRegex(RuntimeWarning, "_in_multi_worker_mode"):
+            self.assertFalse(_compat.in_multi_worker_mode(Strategy()))
 
     def test_a_missing_mask_reader_takes_every_output_as_masked(self):
         with (

@@ -451,10 +451,11 @@ class _StateAtEpochEnd(keras.callbacks.Callback):
 
 
 def _fit_with_memory_held(
-    model, data, optimizers, forever=False, leave_mb=0, **kwargs
+    model, data, optimizers, forever=False, leave_mb=24, **kwargs
 ):
-    """Two epochs of `tfmemsafe.fit`, the allocator full from epoch 1,
-    step 1 until the next step (or for good); what the run left."""
+    """Two epochs of `tfmemsafe.fit`, the allocator full but for
+    `leave_mb` from epoch 1, step 1 until the next step (or for good):
+    the failed step's micro-batches have that room; what the run left."""
     state = model.variables + [v for o in optimizers for v in o.variables]
     held = testing.HeldMemory(1, 1, forever=forever, leave_mb=leave_mb)
     counter = _StepCounter()

@@ -1,9 +1,11 @@
-"""The private Keras names tfmemsafe reaches for, each in one place.
+"""Private Keras and TensorFlow names tfmemsafe reaches for, each in one
+place.
 
-Each function here reads one thing Keras keeps under a private name, says
-why no public API serves, and the versions it was checked on (Keras 3.5,
-3.8 and 3.15). Where a release moves the name, the function warns once
-and falls back to a reading that refuses rather than guesses: a split
+Each function here reads one thing Keras (or TensorFlow) keeps under a
+private name, says why no public API serves, and the versions it was
+checked on (Keras 3.5, 3.8 and 3.15 unless it says otherwise; TensorFlow
+2.21). Where a release moves the name, the function warns once and
+falls back to a reading that refuses rather than guesses: a split
 that cannot be shown exact is not made, a state that cannot be listed is
 left out and said so. `tests/compat_test.py` fails loudly when a name
 moves.
@@ -123,3 +125,63 @@ def activity_regularization_is_a_mean() -> bool:
         layer(np.ones((rows, 1), "float32"))
         losses.append(float(sum(np.asarray(x) for x in layer.losses)))
     return abs(losses[0] - losses[1]) < 1e-6
+
+
+def drop_cached_validation_iterator(model) -> None:
+    """Lets go of the validation iterator Keras keeps on `model` during a
+    `fit` (and the batches it prefetched), which a `fit` that raised
+    leaves behind, so that its memory can be reused. Keras has no public
+    way to drop it. Checked (Keras 3.15): `Trainer._eval_epoch_iterator`,
+    which `fit` deletes when it ends normally; absent, there is nothing
+    to drop (a rename keeps the memory held, and changes no result)."""
+    if getattr(model, "_eval_epoch_iterator", None) is not None:
+        model._eval_epoch_iterator = None
+
+
+def compiled_loss_and_metrics(model) -> list:
+    """The objects Keras builds from `compile`'s `loss` and `metrics` at
+    the first batch (`None` before `compile`). Keras lists no compiled
+    loss object publicly. Checked (Keras 3.15): `Trainer._compile_loss`
+    and `Trainer._compile_metrics`; where they are gone, `[]`, and callers
+    treat the model as not built."""
+    try:
+        return [model._compile_metrics, model._compile_loss]
+    except AttributeError:
+        _moved(
+            "Trainer._compile_loss",
+            "the model counts as not built, so Keras reads its sample batch.",
+        )
+        return []
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether a `MultiWorkerMirroredStrategy` has read a cluster of more
+    than one worker (from `TF_CONFIG`). TensorFlow says so publicly only
+    through the cluster resolver's spec, which a strategy made without
+    one lacks. Checked: `extended._in_multi_worker_mode()`; where it is
+    gone, the cluster resolver's worker count."""
+    read = getattr(strategy.extended, "_in_multi_worker_mode", None)
+    if read is not None:
+        return bool(read())
+    _moved_in_tensorflow(
+        "MultiWorkerMirroredStrategy.extended._in_multi_worker_mode",
+        "the cluster resolver's workers are counted instead.",
+    )
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    return len(spec.get("worker", [])) + len(spec.get("chief", [])) > 1
+
+
+def _moved_in_tensorflow(name: str, consequence: str) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    import tensorflow as tf
+
+    warnings.warn(
+        f"This TensorFlow ({tf.__version__}) has no `{name}`, which "
+        f"tfmemsafe reads: {consequence} Please report it with your "
+        "TensorFlow version.",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _compat
 from tfmemsafe.accumulation import GradientAccumulator
 
 # Keras has no public name for the generator that `keras.random` draws
@@ -85,8 +86,7 @@ class ModelState:
         self.copy.restore()
         for name, value in self.attributes.items():
             setattr(self.model, name, value)
-        # Keras' cached validation iterator; Keras has no public way to drop it.
-        self.model._eval_epoch_iterator = None
+        _compat.drop_cached_validation_iterator(self.model)
 
     def close(self) -> None:
         """Deletes the saved values; `restore` cannot be called after."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 
+from tfmemsafe import _compat
+
 _METHOD = "_maybe_symbolic_build"
 
 
@@ -60,10 +62,9 @@ def without_sample_batch(model):
 def _built(model) -> bool:
     """Whether Keras' `_symbolic_build` has nothing left to build from a
     batch (it builds an unbuilt optimizer without one)."""
-    try:
-        layers = model._flatten_layers()  # noqa: SLF001
-        parts = [model._compile_metrics, model._compile_loss]  # noqa: SLF001
-    except AttributeError:
+    layers = [model, *_compat.nested_layers(model)]
+    parts = _compat.compiled_loss_and_metrics(model)
+    if not parts:
         return False
     return all(layer.built for layer in layers) and all(
         part is None or part.built for part in parts

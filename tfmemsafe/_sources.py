@@ -346,10 +346,32 @@ class BatchedDataset(Source):
             )
         return self.batch_size
 
+    def _read_sample_inputs(self):
+        # A row of the first batch: no batching again (examples of varying
+        # length cannot be).
+        batch = next(iter(self.data.take(1)))
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        return tf.nest.map_structure(lambda t: t[:1], x)
+
+    def _read_signature(self) -> tuple:
+        return tuple(
+            (tuple(s.shape.as_list()[1:]), s.dtype.name)
+            for s in tf.nest.flatten(self.data.element_spec)
+        )
+
     def dataset(self, batch_size: int, *, repeat: bool = False):
         if batch_size == self.batch_size and not repeat:
             # The user's pipeline, as it is but for its end.
             return _pipelines.for_keras(self.data, one_worker=self.one_worker)
+        if _varies_in_length(self.data.element_spec):
+            raise ValueError(
+                f"`{self.argument}` is batched, and its examples vary in "
+                f"length (`padded_batch`), so it cannot be batched again at "
+                f"{batch_size} to measure it. Pass the unbatched examples "
+                "instead: `tfmemsafe.fit(..., batch_size='auto')` batches "
+                "them by length buckets. Received: a dataset of batches of "
+                f"{self.data.element_spec}"
+            )
         dataset = self.data.repeat() if repeat else self.data
         dataset = dataset.rebatch(batch_size)
         rows = None if repeat else _pipelines.rows_of_batched(self.data)
@@ -385,6 +407,17 @@ class DatasetCallable(Source):
         if repeat:
             dataset = dataset.repeat()
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
+
+
+def _varies_in_length(spec) -> bool:
+    """Whether a batch of `spec` has an axis after the batch's of unknown
+    length (its examples were padded to each batch's longest)."""
+    return any(
+        isinstance(leaf, tf.TensorSpec)
+        and leaf.shape.rank is not None
+        and None in leaf.shape.as_list()[1:]
+        for leaf in tf.nest.flatten(spec)
+    )
 
 
 def cycled(parts, batch_size: int, steps: int, *, one_worker: bool, then=None):

@@ -18,6 +18,7 @@ from absl import logging
 # coordination service (`report_error_to_cluster`).
 from tensorflow.python.eager import context
 
+from tfmemsafe import _compat
 from tfmemsafe import _messages
 from tfmemsafe.errors import OutOfMemoryError
 
@@ -37,7 +38,7 @@ def is_multi_worker(strategy: tf.distribute.Strategy | None = None) -> bool:
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return False
     # The strategy knows once it has read the cluster from TF_CONFIG.
-    return bool(strategy.extended._in_multi_worker_mode())
+    return _compat.in_multi_worker_mode(strategy)
 
 
 def worker_index(strategy: tf.distribute.Strategy | None = None) -> int:

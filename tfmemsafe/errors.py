@@ -7,17 +7,25 @@ class OutOfMemoryError(RuntimeError):
     """Training could not be made to fit in device memory.
 
     Raised by tfmemsafe when it has run out of ways to recover from an
-    out-of-memory error (for example the batch size would fall below
-    `min_batch_size`). The original `tf.errors.ResourceExhaustedError` is
-    chained as `__cause__`.
+    out-of-memory error (for example a micro-batch of `min_batch_size`
+    rows ran out). The original error is chained as `__cause__` by
+    `tfmemsafe.fit`, `evaluate` and `predict`; out of a plain `model.fit`
+    (which re-raises errors `from None`) it is in `error`.
 
     Attributes:
         tried_batch_sizes: The batch sizes that were tried, in order.
+        error: The out-of-memory error it comes from, or `None`.
     """
 
-    def __init__(self, message: str, tried_batch_sizes: Iterable[int] = ()):
+    def __init__(
+        self,
+        message: str,
+        tried_batch_sizes: Iterable[int] = (),
+        error: BaseException | None = None,
+    ):
         super().__init__(message)
         self.tried_batch_sizes = tuple(tried_batch_sizes)
+        self.error = error
 
 
 class DatasetUnavailableError(RuntimeError):

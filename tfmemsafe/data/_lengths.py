@@ -68,7 +68,14 @@ def length_fn_of(dataset, length_fn) -> Callable:
             "`length_fn` must be a callable returning an example's length, "
             f"or None. Received: length_fn={length_fn!r:.80}"
         )
-    spec = dataset.map(length_fn).element_spec
+    try:
+        spec = dataset.map(length_fn).element_spec
+    except (tf.errors.InvalidArgumentError, ValueError) as err:
+        # `map` refuses a function that returns nothing (`None`).
+        raise TypeError(
+            "`length_fn` must return a scalar integer, the example's "
+            "length. Received: length_fn returning nothing"
+        ) from err
     if (
         not isinstance(spec, tf.TensorSpec)
         or spec.shape.rank != 0

@@ -249,11 +249,19 @@ def agreed_rows(strategy, rows: int | None) -> int | None:
     """The fewest micro-batch rows any worker asked for (`None`, the whole
     batch or none at all, if any asked for `None`), on every worker: each
     measures its own memory, and all must split alike."""
-    fewest = agreed_count(strategy, 0 if rows is None else rows)
+    fewest = int(gathered(strategy, [0 if rows is None else rows])[:, 0].min())
     return None if fewest == 0 else fewest
 
 
-def agreed_count(strategy, count: int, most: bool = False) -> int:
-    """The fewest (or `most`) of every worker's `count`, on every worker."""
-    column = gathered(strategy, [count])[:, 0]
-    return int(column.max() if most else column.min())
+def agreed_sizes(strategy, rows: int, grown: int | None, piece: int):
+    """`(rows, grown, piece)` as every worker takes them: the most rows of
+    any worker's share (so that all take the whole-batch step or all
+    split), the fewest rows to grow back to (`None` if any stays), and
+    the fewest rows of a micro-batch."""
+    table = gathered(strategy, [rows, grown or 0, piece])
+    fewest_grown = int(table[:, 1].min())
+    return (
+        int(table[:, 0].max()),
+        fewest_grown or None,
+        int(table[:, 2].min()),
+    )

@@ -11,6 +11,7 @@ import keras
 from tfmemsafe import _checks
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe.monitor import monitors_first
+from tfmemsafe.recovery._keras_data import chained_cause
 from tfmemsafe.recovery._keras_data import check_kind
 from tfmemsafe.recovery._keras_data import keras_data
 from tfmemsafe.recovery._keras_data import unpacked
@@ -75,7 +76,7 @@ def evaluate(
     )
     # Without the batch Keras reads and drops under a strategy: see
     # docs/oom-recovery.md.
-    with without_sample_batch(model):
+    with without_sample_batch(model), chained_cause():
         return model.evaluate(
             x,
             y,
@@ -142,7 +143,7 @@ def predict(
     )
     # Without the batch Keras reads and drops under a strategy: see
     # docs/oom-recovery.md.
-    with without_sample_batch(model):
+    with without_sample_batch(model), chained_cause():
         return model.predict(
             x,
             batch_size=batch_size,

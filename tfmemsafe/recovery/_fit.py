@@ -25,9 +25,11 @@ from tfmemsafe.history import fit_history_of
 from tfmemsafe.monitor import monitors_first
 from tfmemsafe.recovery._agreed_step import accumulation_steps_of
 from tfmemsafe.recovery._batch_search import find_max_batch_size
+from tfmemsafe.recovery._keras_data import chained_cause
 from tfmemsafe.recovery._keras_data import check_kind
 from tfmemsafe.recovery._keras_data import is_iterable_only
 from tfmemsafe.recovery._keras_data import keras_data
+from tfmemsafe.recovery._keras_data import padded_batches
 from tfmemsafe.recovery._keras_data import unpacked
 from tfmemsafe.recovery._keras_data import varies_in_length
 from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
@@ -250,7 +252,7 @@ def fit(
         shuffle = False  # Keras ignores it here, and warns at its default.
     # Without the batch Keras reads and drops under a strategy: see
     # docs/oom-recovery.md.
-    with without_sample_batch(model):
+    with without_sample_batch(model), chained_cause():
         model.fit(
             x,
             y,
@@ -287,6 +289,13 @@ def _auto(model, x, y, validation_data, memory_estimate):
         )
     if varies_in_length(x):
         return _bucketed(model, x, validation_data)
+    if padded_batches(x):
+        raise ValueError(
+            "`batch_size='auto'` chooses the batch size, and `x` is batched "
+            "already, its examples padded to each batch's longest, which "
+            "cannot be batched again. Pass the unbatched examples: they are "
+            f"then batched by length buckets. Received: x={x!r:.80}"
+        )
     batch_size = find_max_batch_size(
         model, x if y is None else (x, y), memory_estimate=memory_estimate
     )

@@ -23,8 +23,8 @@ from tfmemsafe import memory
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._agreed_step import AgreedStep
 from tfmemsafe.recovery._agreed_step import accumulation_steps_of
-from tfmemsafe.recovery._agreed_step import agreed_count
 from tfmemsafe.recovery._agreed_step import agreed_rows
+from tfmemsafe.recovery._agreed_step import agreed_sizes
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import split_refusal
 from tfmemsafe.recovery._held_batches import example_shape
@@ -150,7 +150,11 @@ class HeldSteps:
         size = self._size = self._sizes[key]
         rows = rows_of(batch)
         in_use = self.readings.in_use() if size.grow_back_due() else None
-        grown = self._agreed_rows(size.grow_back_rows(in_use))
+        grown = size.grow_back_rows(in_use)
+        piece = size.rows_for(rows)
+        if self._workers:
+            # One exchange: every worker takes the same path and sizes.
+            rows, grown, piece = agreed_sizes(self.strategy, rows, grown, piece)
         if grown is not None:
             before = size.rows_for(rows)
             result = self._attempt(name, batch, rows, grown)
@@ -168,11 +172,11 @@ class HeldSteps:
                 size.trained()
                 return result
         while True:
-            piece = self._agreed_rows(size.rows_for(rows))
             result = self._attempt(name, batch, rows, piece)
             if result is not _RAN_OUT:
                 size.trained()
                 return result
+            piece = self._agreed_rows(size.rows_for(rows))
 
     def _attempt(self, name: str, batch, rows: int, piece: int):
         """`batch` through the `name` step in micro-batches of `piece`
@@ -192,8 +196,10 @@ class HeldSteps:
             else:
                 result = self._in_pieces(name, batch, rows, piece)
         except Exception as err:  # noqa: BLE001 (re-raised unless an OOM)
-            if not memory.is_oom_error(err):
-                raise
+            if isinstance(err, OutOfMemoryError) or not memory.is_oom_error(
+                err
+            ):
+                raise  # Not an allocation that failed, or given up.
             self.guard.restore_small_state()
             self.record.settle(max(self._planned, 1))
             self._after_oom(name, err, batch, self._running)
@@ -208,11 +214,11 @@ class HeldSteps:
         try:
             if self.strategy.num_replicas_in_sync > 1:
                 # Equal pieces of every share; a probe's size sets them.
-                size = self._size
-                piece = self._agreed_rows(size.probe_rows() or piece)
+                piece = self._agreed_rows(self._size.probe_rows() or piece)
+                # Every worker's rows are the job's most (`agreed_sizes`).
                 pieces = min(
-                    self._agreed(math.ceil(rows / piece), most=True),
-                    self._agreed(split.most_pieces()),
+                    math.ceil(rows / piece),
+                    self._agreed_rows(split.most_pieces()),
                 )
                 self._planned = pieces
                 for index in range(pieces):
@@ -316,13 +322,6 @@ class HeldSteps:
     def _agreed_rows(self, rows: int | None) -> int | None:
         """`rows`, the fewest any worker asked for (see `agreed_rows`)."""
         return agreed_rows(self.strategy, rows) if self._workers else rows
-
-    def _agreed(self, count: int, most: bool = False) -> int:
-        """`count`; under a multi-worker strategy, the fewest (or `most`)
-        of every worker's."""
-        return (
-            agreed_count(self.strategy, count, most) if self._workers else count
-        )
 
     def _measured(self, name: str, rows: int, run):
         """`run()`, a (micro-)batch of `rows`: an error in it is charged to

@@ -11,6 +11,7 @@ raises instead of ending the process.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import types
 
 import keras
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 from tfmemsafe import _pipelines
 from tfmemsafe import distribute
+from tfmemsafe.errors import OutOfMemoryError
 
 # Keras' default batch size, for arrays and unbatched datasets.
 DEFAULT_BATCH_SIZE = 32
@@ -129,6 +131,33 @@ def varies_in_length(data) -> bool:
         )
         for leaf in tf.nest.flatten(inputs)
     )
+
+
+def padded_batches(data) -> bool:
+    """Whether `data` is a batched dataset whose examples vary in length
+    (padded to each batch's longest): it cannot be batched again."""
+    if not isinstance(data, tf.data.Dataset):
+        return False
+    if not _pipelines.batching_of(data)[0]:
+        return False
+    return any(
+        isinstance(leaf, tf.TensorSpec)
+        and leaf.shape.rank is not None
+        and None in leaf.shape.as_list()[1:]
+        for leaf in tf.nest.flatten(data.element_spec)
+    )
+
+
+@contextlib.contextmanager
+def chained_cause():
+    """An `OutOfMemoryError` out of a Keras call inside gets back the
+    cause Keras' re-raise (`from None`) dropped."""
+    try:
+        yield
+    except OutOfMemoryError as err:
+        if err.__cause__ is None and err.error is not None:
+            raise err from err.error
+        raise
 
 
 def _for_keras(dataset, strategy):

@@ -15,6 +15,7 @@ from tfmemsafe._model_state import gradient_accumulators_of
 from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._step_guard import StepGuard
+from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._held_step import HeldSteps
 
@@ -243,6 +244,11 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             try:
                 return function(data)
             except (StopIteration, tf.errors.OutOfRangeError):
+                raise
+            except OutOfMemoryError as err:
+                # Keras re-raises it `from None`: the cause stays here.
+                err.error = err.error or err.__cause__
+                self._reset()
                 raise
             except BaseException:
                 self._reset()

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import keras
 
+from tfmemsafe import _compat
 from tfmemsafe import memory
 from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._sample_batch import without_sample_batch
@@ -123,6 +124,5 @@ def release(model: keras.Model) -> None:
     `without_per_step_variables`), they trace the new shapes as they
     come, and a size that grows back finds its trace.
     """
-    # Keras' cached validation iterator; Keras has no public way to drop it.
-    model._eval_epoch_iterator = None
+    _compat.drop_cached_validation_iterator(model)
     gc.collect()

@@ -138,11 +138,12 @@ def retries_used_up(rows: int, max_retries: int, err) -> str:
 def first_line(err) -> str:
     """The line of `err` that says what ran out."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' bold.
-    lines = [line for line in text.splitlines() if line.strip()]
-    for line in lines:
-        if "OOM" in line or "memory" in line.lower():
-            return line.strip()
-    return lines[0].strip() if lines else type(err).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for marker in ("OOM", "out of memory", "allocat"):
+        for line in lines:
+            if marker in line or marker in line.lower():
+                return line
+    return lines[0] if lines else type(err).__name__
 
 
 def _mib(num_bytes) -> str:
