@@ -2,11 +2,11 @@ r"""Trains a CNN from scratch on CIFAR-10 (or digits) without running out.
 
 A VGG-style network (blocks of two 3x3 convolutions with batch
 normalization, then max-pooling) is trained through `tfmemsafe.fit`:
-before the first step it starts at a size its memory estimate predicts to
-fit (`--preflight`), and when a batch still does not fit it goes to a
-smaller one (half, or the largest halving predicted to fit), doubles the
-gradient accumulation as often, and goes on at the failed step with the
-same effective batch. `--checkpointing` recomputes the
+before the first step, when its memory estimate predicts that the batch
+does not fit (`--preflight`), it starts with the batch split into
+micro-batches of one update, and a batch that still runs out is trained
+again, in its step, as micro-batches: the batch size, and so each
+update, stays the one asked for. `--checkpointing` recomputes the
 convolution blocks' activations in the backward pass instead of keeping
 them. A `tfmemsafe.MemoryMonitor` records the memory used.
 

@@ -3,10 +3,10 @@ r"""Trains a DCGAN on CIFAR-10 (or digits), with gradient accumulation.
 Two networks, each with its own Adam optimizer (wrapped in a
 `keras.optimizers.LossScaleOptimizer` under mixed precision) and its own
 `tfmemsafe.GradientAccumulator`, trained by a custom `train_step` through
-`tfmemsafe.fit`: when a batch does not fit in memory, the batch shrinks
-(by half, or to the largest halving predicted to fit), both accumulators
-accumulate as many more micro-batches, so each update still averages as
-many samples, and training goes on at the failed step. After every epoch
+`tfmemsafe.fit`: when a batch does not fit in memory, its step runs again
+on micro-batches of it, one call of the model's `train_step` each (each
+call accumulates into both accumulators, as a smaller batch would), and
+training goes on at the next batch. After every epoch
 a grid of samples from a fixed set of latent vectors is written as a PNG.
 
     python examples/cifar10_dcgan.py --dataset=digits --epochs=20
@@ -112,8 +112,7 @@ class DCGAN(tfmemsafe.AccumulatingModel):
     """A generator and a discriminator, each with its own accumulator.
 
     Deriving from `AccumulatingModel` lets `fit` apply both partial
-    windows at the end of each epoch, and lets `tfmemsafe.fit` double
-    `accumulation_steps` on both when it halves the batch.
+    windows at the end of each epoch.
     """
 
     def __init__(self, *, generator, discriminator, accumulation_steps=1):

@@ -7,8 +7,8 @@ runs once over the data and the head trains on the stored features, at a
 tiny fraction of the time and memory per epoch. Phase 2
 (`--fine_tune_epochs`) unfreezes the backbone's top layers and trains on
 at a lower learning rate; it needs several times the memory, and
-`tfmemsafe.fit` starts at a size predicted to fit, and shrinks the batch
-(multiplying the gradient accumulation as often) if it still does not.
+`tfmemsafe.fit` starts a batch predicted not to fit already split into
+micro-batches of one update, and splits one that still runs out.
 
 With ImageNet weights (downloaded by Keras the first time), images are
 upsampled to 96x96, the smallest size the weights were trained at:

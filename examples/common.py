@@ -463,7 +463,7 @@ def _print_summary(summary: dict, several_runs: bool) -> None:
         if report["batch_size"] is not None:
             steps = report["accumulation_steps"] or 1
             lines.append(
-                f"{indent}final batch size: {report['batch_size']}"
+                f"{indent}batch size: {report['batch_size']}"
                 + (f" x {steps} accumulation steps" if steps > 1 else "")
             )
     lines.append(f"  wall time: {summary['wall_time_s']:.0f} s")

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfmemsafe import _compat
 from tfmemsafe import distribute
+from tfmemsafe import memory
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._held_batches import first_share
 
@@ -103,6 +104,37 @@ def split_refusal(
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
         return "the model's outputs carry a mask"
     return None
+
+
+class SplitRefusals:
+    """`split_refusal` of each phase of one run, read once.
+
+    Args:
+        model: The `keras.Model`.
+        split_batch_norm: bool. As `SplitBatchOnOOM`'s.
+    """
+
+    def __init__(self, model, split_batch_norm: bool):
+        self.model = model
+        self.split_batch_norm = split_batch_norm
+        self._read = {}  # phase -> why its batches are not split, or None.
+        # Read now, while memory is free: its probe converts host arrays.
+        _compat.activity_regularization_is_a_mean()
+
+    def of(self, name: str, batch):
+        """Why `name` batches cannot be split exactly, or `None`; or the
+        out-of-memory error of the one example `split_refusal` runs
+        forward (then read again next time)."""
+        if name not in self._read:
+            try:
+                self._read[name] = split_refusal(
+                    self.model, batch, name, self.split_batch_norm
+                )
+            except Exception as err:  # noqa: BLE001 (re-raised unless OOM)
+                if not memory.is_oom_error(err):
+                    raise
+                return err
+        return self._read[name]
 
 
 def _strategy_can_split(model) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.errors import OutOfMemoryError
@@ -26,7 +25,7 @@ from tfmemsafe.recovery._agreed_step import accumulation_steps_of
 from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._agreed_step import agreed_sizes
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
-from tfmemsafe.recovery._exact_split import split_refusal
+from tfmemsafe.recovery._exact_split import SplitRefusals
 from tfmemsafe.recovery._held_batches import example_shape
 from tfmemsafe.recovery._held_batches import joined
 from tfmemsafe.recovery._held_batches import per_replica
@@ -80,7 +79,6 @@ class HeldSteps:
         max_retries: int | None = None,
     ):
         self.model = model
-        self.split_batch_norm = split_batch_norm
         self.max_retries = max_retries
         self.guard = guard
         self.strategy = model.distribute_strategy
@@ -104,10 +102,7 @@ class HeldSteps:
         self._agreed_step = AgreedStep(model, guard) if self._workers else None
         self.record = RunRecord()
         self._split = SplitBatch(model, guard)
-        # Read now, while memory is free: after an error the refusal reads
-        # it, and its probe converts host arrays to tensors.
-        _compat.activity_regularization_is_a_mean()
-        self._refusal = {}  # phase -> why its batches are not split.
+        self._refusals = SplitRefusals(model, split_batch_norm)
         # The current attempt's micro-batches begun and planned.
         self._pieces = self._planned = 0
         self._steps = ModelSteps(model)
@@ -148,6 +143,9 @@ class HeldSteps:
         if key not in self._sizes:
             self._sizes[key] = self._new_size(name)
         size = self._size = self._sizes[key]
+        # Read at a phase's first batch, while memory is free (it runs one
+        # example forward), not after an error.
+        self._refusals.of(name, batch)
         rows = rows_of(batch)
         in_use = self.readings.in_use() if size.grow_back_due() else None
         grown = size.grow_back_rows(in_use)
@@ -188,6 +186,7 @@ class HeldSteps:
         """
         self.guard.save_small_state()
         self._pieces = self._planned = 0
+        failure = None
         try:
             if piece >= rows:
                 result = self._measured_step(name, batch, rows)
@@ -200,12 +199,20 @@ class HeldSteps:
                 err
             ):
                 raise  # Not an allocation that failed, or given up.
-            self.guard.restore_small_state()
-            self.record.settle(max(self._planned, 1))
-            self._after_oom(name, err, batch, self._running)
-            return _RAN_OUT
+            failure = err
         self.record.settle(max(self._planned, 1))
-        return result
+        if failure is None:
+            return result
+        self._recover(name, failure, batch, self._running)
+        return _RAN_OUT
+
+    def _recover(self, name: str, err, batch, piece: int) -> None:
+        """After `err` (out of the `except` block that caught it, so that
+        the failed attempt's tensors are freed with its frames): puts back
+        what the attempt changed, then decides the next (`_after_oom`)."""
+        err.__traceback__ = None  # Its frames hold the attempt's tensors.
+        self.guard.restore_small_state()
+        self._after_oom(name, err, batch, piece)
 
     def _split_train(self, batch, rows: int, piece: int):
         """`batch` as micro-batches of Keras' step and one update."""
@@ -291,6 +298,7 @@ class HeldSteps:
             self._planned += math.ceil((rows - end) / size.rows_for(rows))
             if batch is not None:
                 self.guard.save_small_state()
+            failure = None
             try:
                 result = self._measured(
                     name, end - start, lambda s=start, e=end: run(s, e)
@@ -298,9 +306,10 @@ class HeldSteps:
             except Exception as err:  # noqa: BLE001 (re-raised unless OOM)
                 if batch is None or not memory.is_oom_error(err):
                     raise
-                self.guard.restore_small_state()
+                failure = err
+            if failure is not None:
                 self.record.settle(max(self._planned, 1))
-                self._after_oom(name, err, batch, end - start)
+                self._recover(name, failure, batch, end - start)
                 piece = size.rows_for(rows)
                 continue
             results.append(result)
@@ -344,15 +353,10 @@ class HeldSteps:
             raise OutOfMemoryError(
                 in_the_update(total, err), tried_batch_sizes=(total,)
             ) from err
-        try:
-            refusal = self._refusal_of(name, batch)
-        except Exception as probe_error:  # noqa: BLE001 (re-raised unless OOM)
-            if not memory.is_oom_error(probe_error):
-                raise
-            # One example's forward pass ran out: so would any micro-batch.
-            raise OutOfMemoryError(
-                one_example(total, probe_error), tried_batch_sizes=(total,)
-            ) from probe_error
+        refusal = self._refusals.of(name, batch)
+        one_runs_out = None  # One example ran out: so would any micro-batch.
+        if isinstance(refusal, BaseException):
+            refusal, one_runs_out = None, refusal
         if refusal is not None:
             raise OutOfMemoryError(
                 not_split(total, refusal, err), tried_batch_sizes=(total,)
@@ -369,13 +373,16 @@ class HeldSteps:
                 retries_used_up(total, self.max_retries, err),
                 tried_batch_sizes=(total,),
             ) from err
+        smaller = None
+        if one_runs_out is None:
+            smaller = self._size.ran_out(piece, in_use)
         # Every worker raises, or none.
-        smaller = self._agreed_rows(self._size.ran_out(piece, in_use))
+        smaller = self._agreed_rows(smaller)
         if smaller is None:
             raise OutOfMemoryError(
-                one_example(total, err, self._size.floor),
+                one_example(total, one_runs_out or err, self._size.floor),
                 tried_batch_sizes=(total,),
-            ) from err
+            ) from (one_runs_out or err)
         self.record.ran_out(
             name,
             err,
@@ -387,11 +394,3 @@ class HeldSteps:
 
     def _splits_update(self) -> bool:
         return type(self.model).train_step in OWN_TRAIN_STEPS
-
-    def _refusal_of(self, name: str, batch) -> str | None:
-        """Why `name` batches cannot be split exactly, or `None`."""
-        if name not in self._refusal:
-            self._refusal[name] = split_refusal(
-                self.model, batch, name, self.split_batch_norm
-            )
-        return self._refusal[name]

@@ -40,15 +40,17 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     what is in use now predict the largest micro-batch that leaves 10% of
     the limit free, so a batch 8 times too large costs one error, not
     three; with nothing measured yet the first micro-batch is a small
-    probe that sizes the rest. After `grow_back_after` clean steps the
-    micro-batches double, when the measured peak predicts that the double
-    fits beside what is held now; a size that ran out is not tried again
-    while as much memory is held as when it did.
+    probe that sizes the rest; each phase and each shape of an example
+    (length buckets' batches) has its own size. After `grow_back_after`
+    clean steps the micro-batches double, when the measured peak predicts
+    that the double fits beside what is held now; a size that ran out is
+    not tried again while as much memory is held as when it did.
 
     Exactly split: Keras' own `train_step` (and `AccumulatingModel`'s,
     whose window counts a split batch once), on one device or under a
-    `MirroredStrategy`, with every loss averaging over the batch's rows
-    (the default reduction `"sum_over_batch_size"`, or `"mean"`),
+    `MirroredStrategy` or `MultiWorkerMirroredStrategy`, with every loss
+    averaging over the batch's rows (the default reduction
+    `"sum_over_batch_size"`, or `"mean"`),
     `sample_weight` and `class_weight` included. Not split, and stopped
     with `tfmemsafe.OutOfMemoryError` saying why: a loss with reduction
     `"sum"`, `None` or `"mean_with_sample_weight"` with sample weights,
