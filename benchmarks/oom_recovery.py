@@ -1,49 +1,56 @@
-"""What recovering from out-of-memory costs `tfmemsafe.fit`, side by side.
+"""What recovering from out-of-memory costs, side by side with `model.fit`.
 
 Under a memory cap (TensorFlow's BFC allocator on the CPU limited to
 `--cap_mb`, so running out raises a real `ResourceExhaustedError`), trains
 a conv net (two 3x3 convolutions of 16 channels, max pooling, one of 32,
 global pooling, a dense head) on random 64x64x3 images for `--epochs`:
 
-- `model.fit`: Keras, started at `--batch_size`, a size that fits.
-- `SplitBatchOnOOM`: `model.fit` with `tfmemsafe.SplitBatchOnOOM()`,
-  started at `--oversize` times that: the first batch runs out, and every
-  batch is trained in the step as micro-batches of one update, the batch
-  size kept.
-- `tfmemsafe.fit`: started at `--oversize` times that (8x by default),
+- `model.fit`: Keras, at `--batch_size`, a size that fits.
+- `SplitBatchOnOOM`: `model.fit` with `tfmemsafe.SplitBatchOnOOM()`, at
+  `--oversize` times that (8x by default): the first batch runs out and
+  is trained again, in the same step, as micro-batches whose gradients
+  make one update, sized from the step's measured peak; every later batch
+  trains in micro-batches from the start. The batch size is kept.
+- `tfmemsafe.fit`: `model.fit` plus that callback, at the same oversize,
   with its pre-flight check (the default): it estimates the step's memory
-  and starts at the largest halving predicted to fit, so no OOM.
-- `tfmemsafe.fit, no pre-flight`: `preflight=False`; it runs out once at
-  8x, estimates, and jumps to the largest halving predicted to fit.
+  and starts the batch already split into micro-batches predicted to fit,
+  so no error.
+- `tfmemsafe.fit, no pre-flight`: `preflight=False`; the first batch runs
+  out once and is split, as with the callback alone.
 - `tfmemsafe.fit(auto)`: `batch_size="auto"`, which runs
   `find_max_batch_size` first (run once, after the rounds).
 
-Each run is a fresh process under the same cap. The first three variants
+Each run is a fresh process under the same cap. The first four variants
 take turns for `--rounds` rounds (their order rotated every round, so all
 see the same machine load on average); the ratios are per round. The
-allocator OOMs column counts the allocator's own reports of a failed
-allocation (`tfmemsafe.testing.AllocatorFailures`). Besides
-wall time, the table gives the process's CPU time, which other work on a
-shared machine disturbs less, and breaks the extra time of
-`tfmemsafe.fit` down with a callback that stamps every epoch and step:
+batch column is the batch trained (`history.batch_size` for
+`tfmemsafe.fit`), the micro-batches column how many micro-batches each
+batch trained as at the end (the last event's `split_into`, or after a
+grow-back the batch over the grown micro-batch). The allocator OOMs
+column counts the allocator's own reports of a failed allocation
+(`tfmemsafe.testing.AllocatorFailures`); events are the `OOMEvent`s,
+the pre-flight check's included. Besides wall time, the table gives the
+process's CPU time, which other work on a shared machine disturbs less,
+and breaks the extra time down with a callback that stamps every epoch
+and step:
 
 - allocator wait: the out-of-memory errors times the time one failing
   allocation takes, measured once in that process: TensorFlow's BFC
   allocator (the GPU's too) waits about ten seconds for memory to be
   freed before it gives up;
-- failed steps: from the start of each step that ran out to the start of
-  the retry: the wait, tracing and computing at the size that failed up
-  to the allocation that failed, restoring the epoch's state, and the
-  next `model.fit`'s setup;
-- lost partial epochs: steps done in an epoch before it failed, undone;
-- state copies: the host copy of the weights and optimizer state taken
-  at the start of every epoch (one copy of every model and optimizer
-  variable to NumPy timed, times the epochs).
+- failed steps: the steps that ran out, from their start to their end,
+  less the run's median step: the wait, tracing and computing at the
+  batch that failed up to the allocation that failed, and the same batch
+  trained again as micro-batches (with their tracing). Nothing is undone:
+  the step that ran out is the step that trains;
+- before epoch 0: building the run, the pre-flight estimate, and the
+  search with "auto".
 
 Example:
     python benchmarks/oom_recovery.py --epochs=12 --rounds=2
 """
 
+import os
 import statistics
 import time
 
@@ -110,7 +117,6 @@ def allocator_wait_seconds(cap_mb):
 def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
     """Trains one variant in this (capped) process; returns its timings."""
     import keras
-    import numpy as np
 
     import tfmemsafe
     from tfmemsafe import testing
@@ -118,21 +124,29 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
     class Timeline(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.events = []
+            self.first_epoch = None
+            self.epoch = None
+            self.steps = {}  # (epoch, batch) -> [begin, end]
 
         def on_epoch_begin(self, epoch, logs=None):
-            self.events.append(("epoch", time.perf_counter()))
+            if self.first_epoch is None:
+                self.first_epoch = time.perf_counter()
+            self.epoch = epoch
 
         def on_train_batch_begin(self, batch, logs=None):
-            self.events.append(("begin", time.perf_counter()))
+            self.steps[self.epoch, batch] = [time.perf_counter(), None]
 
         def on_train_batch_end(self, batch, logs=None):
-            self.events.append(("end", time.perf_counter()))
+            self.steps[self.epoch, batch][1] = time.perf_counter()
 
     x, y = testing.random_images(samples, size=64, classes=4)
     model = build_model()
     timeline = Timeline()
-    result = {"variant": variant, "allocator_wait": 0.0, "oom_events": 0}
+    result = {
+        "variant": variant,
+        "allocator_wait": 0.0,
+        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"),
+    }
     if variant != "model.fit":
         result["allocator_wait"] = allocator_wait_seconds(cap_mb)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -146,7 +160,8 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
                 callbacks=[timeline],
                 verbose=0,
             )
-            result["final_batch_size"] = batch_size
+            result["batch_size"] = batch_size
+            events, grow_backs = [], []
         elif variant == "SplitBatchOnOOM":
             split = tfmemsafe.SplitBatchOnOOM()
             model.fit(
@@ -157,8 +172,8 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
                 callbacks=[timeline, split],
                 verbose=0,
             )
-            result["oom_events"] = len(split.oom_events)
-            result["final_batch_size"] = batch_size * oversize
+            result["batch_size"] = batch_size * oversize
+            events, grow_backs = split.oom_events, split.grow_back_events
         else:
             history = tfmemsafe.fit(
                 model,
@@ -171,46 +186,41 @@ def run_variant(variant, epochs, samples, batch_size, oversize, cap_mb):
                 callbacks=[timeline],
                 verbose=0,
             )
-            result["oom_events"] = len(history.oom_events)
-            result["final_batch_size"] = history.batch_size
+            result["batch_size"] = history.batch_size
+            events = history.oom_events
+            grow_backs = history.grow_back_events
         result["wall"] = time.perf_counter() - start
         result["cpu"] = time.process_time() - cpu_start
     result["allocator_ooms"] = failures.count
-    state_variables = model.variables + model.optimizer.variables
-    # What fit copies to the host at each epoch's start: every variable of
-    # the model and of its optimizer.
-    copy_start = time.perf_counter()
-    [np.array(v.numpy(), copy=True) for v in state_variables]
-    result["state_copies"] = epochs * (time.perf_counter() - copy_start)
-    if not variant.startswith("tfmemsafe.fit"):
-        result["state_copies"] = 0.0  # Only tfmemsafe.fit's epochs copy.
-    # Before the first epoch: building, and the search with "auto".
-    result["setup"] = timeline.events[0][1] - start
-    result.update(_breakdown(timeline.events))
+    result["oom_events"] = len(events)
+    result["micro_batches"] = _micro_batches(
+        result["batch_size"], events, grow_backs
+    )
+    # Before the first epoch: building, the pre-flight estimate, and the
+    # search with "auto".
+    result["setup"] = timeline.first_epoch - start
+    durations = {
+        key: end - begin for key, (begin, end) in timeline.steps.items()
+    }
+    result["median_step"] = statistics.median(durations.values())
+    failed = {(e.epoch, e.step) for e in events if e.phase == "training"}
+    result["failed_steps"] = sum(
+        durations[key] - result["median_step"] for key in failed
+    )
     return result
 
 
-def _breakdown(events):
-    """Seconds in failed steps and in the epochs' steps undone."""
-    failed = lost = 0.0
-    epoch_start = step_start = None
-    durations = []
-    for kind, stamp in events:
-        if kind == "epoch":
-            if step_start is not None:  # The last step never ended.
-                failed += stamp - step_start
-                lost += step_start - epoch_start
-            epoch_start, step_start = stamp, None
-        elif kind == "begin":
-            step_start = stamp
-        else:
-            durations.append(stamp - step_start)
-            step_start = None
-    return {
-        "failed_steps": failed,
-        "lost_epochs": lost,
-        "median_step": statistics.median(durations),
-    }
+def _micro_batches(batch_size, events, grow_backs):
+    """How many micro-batches a batch trained as at the end: `"1"`, `"8"`,
+    or `"8, then 4"` after a grow-back."""
+    if not events:
+        return "1"
+    count = str(events[-1].split_into)
+    last = (events[-1].epoch, events[-1].step)
+    grown = [g for g in grow_backs if (g.epoch, g.step) > last]
+    if grown:
+        count += f", then {-(-batch_size // grown[-1].batch_size_after)}"
+    return count
 
 
 def main(argv):
@@ -251,17 +261,18 @@ def main(argv):
     print(
         f"{_EPOCHS.value} epochs of {_SAMPLES.value} 64x64 images under a "
         f"{_CAP_MB.value} MB cap; model.fit at batch {_BATCH_SIZE.value}, "
-        f"the others from {_BATCH_SIZE.value * _OVERSIZE.value}; "
+        f"the others at {_BATCH_SIZE.value * _OVERSIZE.value}; "
         f"{_ROUNDS.value} rounds (medians; ratios per round, the auto run "
-        "against the median model.fit)."
+        "against the median model.fit); TF_ENABLE_ONEDNN_OPTS in the runs: "
+        + ", ".join(sorted({r["onednn"] for rs in runs.values() for r in rs}))
+        + "."
     )
     print(
-        "| variant | final batch | wall s | vs model.fit | CPU s "
+        "| variant | batch | micro-batches | wall s | vs model.fit | CPU s "
         "| vs model.fit | allocator OOMs | events | allocator wait s "
-        "| failed steps s | lost partial epochs s | before epoch 0 s "
-        "| state copies s |"
+        "| failed steps s | before epoch 0 s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant, results in runs.items():
         if not results:
             continue
@@ -281,29 +292,39 @@ def main(argv):
             return statistics.median(r[key] for r in results)
 
         ooms = median_of("allocator_ooms")
+        splits = sorted({r["micro_batches"] for r in results})
         print(
-            f"| {variant} | {results[-1]['final_batch_size']} "
+            f"| {variant} | {results[-1]['batch_size']} "
+            f"| {' or '.join(splits)} "
             f"| {median_of('wall'):.1f} | {wall_ratio:.2f} "
             f"| {median_of('cpu'):.1f} | {cpu_ratio:.2f} "
             f"| {ooms:g} | {median_of('oom_events'):g} "
             f"| {ooms * median_of('allocator_wait'):.1f} "
             f"| {median_of('failed_steps'):.1f} "
-            f"| {median_of('lost_epochs'):.1f} "
-            f"| {median_of('setup'):.1f} "
-            f"| {median_of('state_copies'):.1f} |"
+            f"| {median_of('setup'):.1f} |"
         )
     waits = [r["allocator_wait"] for r in runs["tfmemsafe.fit"]]
     if waits:
         print()
+        print(f"One failing allocation took {statistics.median(waits):.1f} s.")
+        for key, name in (("wall", "wall"), ("cpu", "CPU")):
+            print(
+                f"Per-round {name} ratios: "
+                + "; ".join(
+                    f"{variant} "
+                    + ", ".join(
+                        f"{r[key] / b[key]:.2f}"
+                        for r, b in zip(runs[variant], baseline, strict=True)
+                    )
+                    for variant in _ROTATED[1:]
+                )
+                + "."
+            )
         print(
-            f"One failing allocation took {statistics.median(waits):.1f} s. "
-            "Per-round wall ratios: "
+            "Micro-batches per round: "
             + "; ".join(
                 f"{variant} "
-                + ", ".join(
-                    f"{r['wall'] / b['wall']:.2f}"
-                    for r, b in zip(runs[variant], baseline, strict=True)
-                )
+                + ", ".join(r["micro_batches"] for r in runs[variant])
                 for variant in _ROTATED[1:]
             )
             + "."

@@ -2,34 +2,39 @@
 
 An MLP with Adam (512 features, two hidden layers of `--widths` units, 10
 classes) trains `--epochs` epochs on `--rows` random rows at batch
-`--batch_size`, through `model.fit`, through `model.fit` with
-`tfmemsafe.SplitBatchOnOOM()` in its callbacks, and through
-`tfmemsafe.fit` (`preflight=False`, so that only the safety net is
-measured), each in a fresh process, the three taking turns `--rounds`
-times for each width. The table gives the parameters, the
+`--batch_size`, with no out-of-memory error, through `model.fit`,
+through `model.fit` with `tfmemsafe.SplitBatchOnOOM()` in its callbacks,
+and through `tfmemsafe.fit` (which is `model.fit` with that callback and
+a pre-flight estimate; here `preflight=False`, so that only the safety
+net is measured), each in a fresh process, the three taking turns
+`--rounds` times for each width. Neither the callback nor
+`tfmemsafe.fit` copies the model or optimizer state: the callback holds
+each step's batch, to train it again if it runs out, and without an
+error writes nothing. The table gives the parameters, the
 model-and-optimizer state, the peak RSS of the whole process over what
 it held before training, and the CPU and wall time of training, with the
 ratios of each to `model.fit`: medians, and the range of the rounds'
 ratios (one run's CPU time moves by several percent on a shared
 machine).
 
-Then one recovered error at `--recover_width`, under a CPU allocator cap
-of `--cap_mb`: at epoch 1, step 1 a callback fills the allocator, as
-memory that something else takes would, and lets go when the next step
-begins. On this workload the step's memory is nearly all weights and
-optimizer state, so a batch that is merely too large would need a cap
-that half of it fits only by a few MiB; memory held by something else is
-how such a model runs out. `tfmemsafe.fit` recovers from it; the table
-sets it beside `model.fit` under the same cap with nothing held (under
-the hold, `model.fit` ends with the error). Both runs wait for the
-allocator: about 10 s for each failed allocation, the fill's last one and
-the step's, so compare CPU time.
+With `--recover_width` (off by default), one error at that width, under
+a CPU allocator cap of `--cap_mb`: at epoch 1, step 1 a callback fills
+the allocator, as memory that something else takes would, and lets go
+when the next step begins; the table sets `tfmemsafe.fit` beside
+`model.fit` under the same cap with nothing held. `tfmemsafe.fit` trains
+the failed step's batch again in the same step, as micro-batches of one
+update, while the fill is still held. On this workload the step's memory
+is nearly all weights, their gradients and optimizer state, which no
+split makes smaller, so no micro-batch fits beside the fill: the run
+does not recover (a batch too large is recovered from in
+benchmarks/oom_recovery.py).
 
 Example:
     python benchmarks/scale.py
-    python benchmarks/scale.py --widths=4096,8192 --recover_width=0
+    python benchmarks/scale.py --widths=4096,8192 --rounds=1
 """
 
+import os
 import resource
 import time
 
@@ -48,7 +53,7 @@ _ROUNDS = flags.DEFINE_integer(
 )
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Batch size.")
 _RECOVER_WIDTH = flags.DEFINE_integer(
-    "recover_width", 8192, "Hidden width of the recovered error (0: none)."
+    "recover_width", 0, "Hidden width of the held-memory error (0: none)."
 )
 _CAP_MB = flags.DEFINE_integer(
     "cap_mb", 2000, "CPU allocator cap of the recovered error, MB."
@@ -105,20 +110,22 @@ def train(wrapper, width, rows, epochs, batch_size, hold=False):
     arguments = dict(
         batch_size=batch_size, epochs=epochs, verbose=0, callbacks=callbacks
     )
-    errors = 0
+    events = []
     if wrapper == "SplitBatchOnOOM":
         split = tfmemsafe.SplitBatchOnOOM()
         arguments["callbacks"] = [*callbacks, split]
         model.fit(x, y, **arguments)
-        errors = len(split.oom_events)
+        events = split.oom_events
     elif wrapper:
         history = tfmemsafe.fit(model, (x, y), preflight=False, **arguments)
-        errors = len(history.oom_events)
+        events = history.oom_events
     else:
         model.fit(x, y, **arguments)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "errors": errors,
+        "errors": len(events),
+        "split_into": events[-1].split_into if events else 1,
+        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"),
         "updates": int(model.optimizer.iterations.numpy()),
         "parameters": model.count_params(),
         "state": state,
@@ -171,6 +178,7 @@ def main(argv):
         "| extra MiB | extra / state | CPU ratio | wall ratio |"
     )
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    onednn = set()
     for width in map(int, _WIDTHS.value):
         rounds = []
         for _ in range(_ROUNDS.value):
@@ -184,6 +192,10 @@ def main(argv):
                     for variant in _VARIANTS
                 ]
             )
+        onednn.update(run["onednn"] for runs in rounds for run in runs)
+        errors = sum(run["errors"] for runs in rounds for run in runs)
+        if errors:
+            print(f"({errors} out-of-memory errors at width {width}.)")
         plain_extra = _median([runs[0]["extra"] for runs in rounds])
         state = rounds[0][0]["state"]
         for index, variant in enumerate(_VARIANTS[1:], start=1):
@@ -197,6 +209,8 @@ def main(argv):
                 f"{_ratios(rounds, 'wall', index)} |",
                 flush=True,
             )
+    if onednn:
+        print(f"\nTF_ENABLE_ONEDNN_OPTS in the runs: {', '.join(onednn)}.")
     if _RECOVER_WIDTH.value:
         _recovered(_RECOVER_WIDTH.value, rows, epochs, size, _CAP_MB.value)
 
@@ -205,16 +219,16 @@ def _recovered(width, rows, epochs, size, cap_mb):
     from tfmemsafe import testing
 
     print(
-        f"\nOne recovered error at hidden width {width}, CPU allocator "
+        f"\nOne held-memory error at hidden width {width}, CPU allocator "
         f"capped at {cap_mb} MB: `tfmemsafe.fit` with memory held at epoch "
         "1, step 1 until the next step, beside `model.fit` with nothing "
         "held.\n"
     )
     print(
-        "| run | errors | updates | peak RSS MiB | over start MiB | CPU s | "
-        "wall s | CPU ratio |"
+        "| run | errors | micro-batches | updates | peak RSS MiB "
+        "| over start MiB | CPU s | wall s | CPU ratio |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     plain, recovered = (
         testing.run_with_memory_cap(
             train, cap_mb, args=[wrapper, width, rows, epochs, size, wrapper]
@@ -223,12 +237,14 @@ def _recovered(width, rows, epochs, size, cap_mb):
     )
     for name, run in (("model.fit", plain), ("tfmemsafe.fit", recovered)):
         print(
-            f"| {name} | {run['errors']} | {run['updates']} | "
+            f"| {name} | {run['errors']} | {run['split_into']} "
+            f"| {run['updates']} | "
             f"{_mib(run['peak'])} | {_mib(run['extra'])} | "
             f"{run['cpu']:.1f} | {run['wall']:.1f} | "
             f"{run['cpu'] / plain['cpu']:.3f} |",
             flush=True,
         )
+    print(f"\nTF_ENABLE_ONEDNN_OPTS in the capped runs: {plain['onednn']}.")
 
 
 if __name__ == "__main__":

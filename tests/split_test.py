@@ -522,13 +522,13 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
         )
 
     def test_a_batch_that_never_fits_stops_every_worker_alike(self):
-        first, second = self.results["never_fits"]
-        self.assertEqual(first, second)
-        self.assertRegex(
-            first["stopped"],
-            r"^A batch of 8 ran out of memory even as micro-batches of one "
-            r"example",
-        )
+        # Each worker with its own error: its own, or the other's report.
+        for result in self.results["never_fits"]:
+            self.assertRegex(
+                result["stopped"],
+                r"^A batch of 8 ran out of memory even as micro-batches of "
+                r"one example",
+            )
 
 
 class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):

@@ -109,8 +109,11 @@ class GrowBackEvent:
 
 
 def _accumulation_text(steps: int | None) -> str:
-    """`", accumulation steps 4"`, or `""` for a model without them."""
-    return "" if steps is None else f", accumulation steps {steps}"
+    """`", accumulation steps 4"`, or `""` for a model without them (or
+    with one a window)."""
+    return (
+        "" if steps is None or steps == 1 else f", accumulation steps {steps}"
+    )
 
 
 class FitHistory(keras.callbacks.History):
