@@ -413,21 +413,15 @@ def plan_and_fit_on_a_worker():
 
 
 class SharedAndGrownRealCapTest(tf.test.TestCase):
-    """Two workers planning one job, and shuffled buckets growing back:
-    apart from `RealCapTest`'s five processes, so that neither set runs
-    beside the other's load (readings move with the machine's)."""
+    """Two workers planning one job: apart from `RealCapTest`'s five
+    processes, so that neither set runs beside the other's load (readings
+    move with the machine's)."""
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls._pool = concurrent.futures.ThreadPoolExecutor(2)
         cls._results = {
-            "fit_held_shuffled": cls._pool.submit(
-                testing.run_with_memory_cap,
-                fit_auto_under_cap,
-                _CAP_MB,
-                args=[True, True, 3],
-            ),
             "workers": cls._pool.submit(
                 testing.run_workers,
                 plan_and_fit_on_a_worker,
@@ -478,23 +472,6 @@ class SharedAndGrownRealCapTest(tf.test.TestCase):
             # or the other, with no out-of-memory error.
             self.assertEqual(worker["seen"], [1.0], msg=text)
             self.assertEqual((worker["failures"], worker["events"]), (0, 0))
-
-    def test_fit_auto_on_shuffled_examples_grows_back_after_a_hold(self):
-        result = self._results["fit_held_shuffled"].result()
-        # The held step ran out and was split in its step; with the
-        # memory let go, the micro-batches grew back, 5 clean steps apart.
-        self.assertNotEmpty(result["events"], msg=result)
-        self.assertEqual(
-            {(e["epoch"], e["step"]) for e in result["events"]}, {(1, 1)}
-        )
-        self.assertNotEmpty(result["grown"], msg=result)
-        for grown in result["grown"]:
-            self.assertGreater(
-                grown["batch_size_after"], grown["batch_size_before"]
-            )
-        # Each example once an epoch, shuffled or not.
-        self.assertEqual(result["seen"], [3.0], msg=result)
-        self.assertEqual(result["epochs"], 3)
 
 
 def plan_with_a_bad_length_on_the_second_worker():

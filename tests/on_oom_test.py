@@ -853,8 +853,9 @@ class MicroBatchSizeTest(tf.test.TestCase):
     def test_memory_held_past_the_headroom_leaves_what_is_free(self):
         size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
         size.measured(100, 300 * _MIB, 200 * _MIB)  # 1 MiB a row.
-        # 950 MiB held: none of the 900 usable is left, 50 MiB are free.
-        self.assertEqual(size.ran_out(256, 950 * _MIB), 50)
+        # 950 MiB held: none of the 900 usable is left; half the 50 MiB
+        # free.
+        self.assertEqual(size.ran_out(256, 950 * _MIB), 25)
 
     def test_never_chooses_a_size_that_ran_out_beside_as_much(self):
         size = MicroBatchSize(1, limit_bytes=1000 * _MIB)

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmemsafe import memory
+from tfmemsafe.errors import OutOfMemoryError
+
 _OPTIONALS = (tf.experimental.Optional, tf.OptionalSpec)
 
 
 def read(iterator, count: int) -> list:
     """Up to `count` batches from `iterator`; raises `StopIteration` when
-    it has none (Keras' loop ends the epoch there)."""
+    it has none (Keras' loop ends the epoch there).
+
+    Raises:
+        OutOfMemoryError: The data pipeline ran out of memory making the
+            batch. Reading again would skip it, so nothing is retried.
+    """
     batches = []
     for _ in range(count):
         try:
@@ -19,6 +27,18 @@ def read(iterator, count: int) -> list:
             if batches:
                 break
             raise
+        except Exception as err:
+            if not memory.is_oom_error(err):
+                raise
+            raise OutOfMemoryError(
+                "The data pipeline ran out of memory making the next batch "
+                "(tf.data reads ahead beside the training step; on a CPU "
+                "both use one allocator). The batch is lost to its "
+                "iterator, so training stops rather than skip it. Instead, "
+                "leave the pipeline more room: a smaller `prefetch` or "
+                "shuffle buffer, or a smaller batch.",
+                error=err,
+            ) from err
         batches.append(without_optionals(batch))
     return batches
 

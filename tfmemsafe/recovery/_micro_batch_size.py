@@ -149,9 +149,10 @@ class MicroBatchSize:
         fixed, per_row = line
         room = memory.usable_bytes(self.limit_bytes) - in_use_bytes - fixed
         if room < per_row:
-            # Something else holds the headroom too: what is free is all
-            # there is, and a micro-batch may still fit in it.
-            room = self.limit_bytes - in_use_bytes - fixed
+            # Something else holds the headroom too: half of what is free,
+            # leaving the rest to what allocates beside the step (tf.data's
+            # read-ahead, on a CPU).
+            room = (self.limit_bytes - in_use_bytes) / 2 - fixed
         return max(0, math.floor(room / per_row))
 
     def _line(self):
