@@ -21,14 +21,17 @@ import keras
 _warned = set()
 
 
-def _moved(name: str, consequence: str) -> None:
-    """Warns once that Keras moved `name`, and what follows."""
+def _moved(name: str, consequence: str, library=keras) -> None:
+    """Warns once that `library` (Keras, or TensorFlow) moved `name`, and
+    what follows."""
     if name in _warned:
         return
     _warned.add(name)
+    title = "Keras" if library is keras else "TensorFlow"
     warnings.warn(
-        f"This Keras ({keras.__version__}) has no `{name}`, which tfmemsafe "
-        f"reads: {consequence} Please report it with your Keras version.",
+        f"This {title} ({library.__version__}) has no `{name}`, which "
+        f"tfmemsafe reads: {consequence} Please report it with your "
+        f"{title} version.",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -163,25 +166,13 @@ def in_multi_worker_mode(strategy) -> bool:
     read = getattr(strategy.extended, "_in_multi_worker_mode", None)
     if read is not None:
         return bool(read())
-    _moved_in_tensorflow(
+    import tensorflow as tf
+
+    _moved(
         "MultiWorkerMirroredStrategy.extended._in_multi_worker_mode",
         "the cluster resolver's workers are counted instead.",
+        library=tf,
     )
     resolver = getattr(strategy, "cluster_resolver", None)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     return len(spec.get("worker", [])) + len(spec.get("chief", [])) > 1
-
-
-def _moved_in_tensorflow(name: str, consequence: str) -> None:
-    if name in _warned:
-        return
-    _warned.add(name)
-    import tensorflow as tf
-
-    warnings.warn(
-        f"This TensorFlow ({tf.__version__}) has no `{name}`, which "
-        f"tfmemsafe reads: {consequence} Please report it with your "
-        "TensorFlow version.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
