@@ -559,8 +559,13 @@ def mirrored_strategy_with_memory_held_under_cap():
     x, y = _images(1024)
     with strategy.scope():
         model = _conv_net()
+    # Each replica's share needs half of what one device's batch does.
     result = _fit_with_memory_held(
-        model, _aligned_rows(x, y), [model.optimizer], batch_size=256
+        model,
+        _aligned_rows(x, y),
+        [model.optimizer],
+        batch_size=256,
+        leave_mb=40,
     )
     variables = model.variables + model.optimizer.variables
     result["replicas_agree"] = all(

@@ -143,9 +143,6 @@ class HeldSteps:
         if key not in self._sizes:
             self._sizes[key] = self._new_size(name)
         size = self._size = self._sizes[key]
-        # Read at a phase's first batch, while memory is free (it runs one
-        # example forward), not after an error.
-        self._refusals.of(name, batch)
         rows = rows_of(batch)
         in_use = self.readings.in_use() if size.grow_back_due() else None
         grown = size.grow_back_rows(in_use)
