@@ -451,7 +451,7 @@ class _StateAtEpochEnd(keras.callbacks.Callback):
 
 
 def _fit_with_memory_held(
-    model, data, optimizers, forever=False, leave_mb=80, **kwargs
+    model, data, optimizers, forever=False, leave_mb=64, **kwargs
 ):
     """Two epochs of `tfmemsafe.fit`, the allocator full but for
     `leave_mb` from epoch 1, step 1 until the next step (or for good):
