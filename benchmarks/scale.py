@@ -26,7 +26,8 @@ the failed step's batch again in the same step, as micro-batches of one
 update, while the fill is still held. On this workload the step's memory
 is nearly all weights, their gradients and optimizer state, which no
 split makes smaller, so no micro-batch fits beside the fill: the run
-does not recover (a batch too large is recovered from in
+ends with `tfmemsafe.OutOfMemoryError`, micro-batches of one example
+having run out too (a batch too large is recovered from in
 benchmarks/oom_recovery.py).
 
 Example:
