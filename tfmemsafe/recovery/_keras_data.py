@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfmemsafe import _pipelines
 from tfmemsafe import distribute
+from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe.errors import OutOfMemoryError
 
 # Keras' default batch size, for arrays and unbatched datasets.
@@ -151,9 +152,12 @@ def padded_batches(data) -> bool:
 @contextlib.contextmanager
 def chained_cause():
     """An `OutOfMemoryError` out of a Keras call inside gets back the
-    cause Keras' re-raise (`from None`) dropped."""
+    cause Keras' re-raise (`from None`) dropped; and the whole call, its
+    callbacks too, runs without Grappler's `AddN` rewrite
+    (`_per_step_variables`), as the held steps do."""
     try:
-        yield
+        with without_per_step_variables():
+            yield
     except OutOfMemoryError as err:
         if err.__cause__ is None and err.error is not None:
             raise err from err.error

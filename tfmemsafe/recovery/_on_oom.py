@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import keras
@@ -136,7 +135,6 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         self.grow_back_events = []
         self._held = None
         self._guard = None
-        self._scope = None
         self._keras_functions = {}
         self._phases = []  # The open phases, outermost first.
         # Whether Keras began a batch of this callback's loop since the
@@ -198,10 +196,6 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             optimizers_of(model) if training else [],
             gradient_accumulators_of(model) if training else [],
         )
-        # A step that runs out must not leave Grappler's temporary variable
-        # behind for its retry (`_per_step_variables`).
-        self._scope = contextlib.ExitStack()
-        self._scope.enter_context(without_per_step_variables())
         self._held = HeldSteps(
             model,
             self._guard,
@@ -221,9 +215,7 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             self.grow_back_events = self._held.record.grow_back_events
         if self._guard is not None:
             self._guard.close()
-        if self._scope is not None:
-            self._scope.close()
-        self._held = self._guard = self._scope = None
+        self._held = self._guard = None
         for name, function in self._keras_functions.items():
             setattr(self.model, name, function)
         self._keras_functions = {}
@@ -244,7 +236,10 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
                 return getattr(self.model, f"{phase}_function")(data)
             self._batch_began = False
             try:
-                return function(data)
+                # A step that runs out must not leave Grappler's temporary
+                # variable behind for its retry (`_per_step_variables`).
+                with without_per_step_variables():
+                    return function(data)
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise
             except OutOfMemoryError as err:
