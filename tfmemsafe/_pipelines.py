@@ -199,3 +199,15 @@ def dataset_nodes(dataset):
         parent = getattr(node, "_input_dataset", None)
         if parent is not None:
             pending.append(parent)
+
+
+def padded_to_each_batch(spec) -> bool:
+    """Whether batches of `spec` have an axis after the batch's of unknown
+    length: their examples were padded to each batch's longest, and
+    cannot be batched again."""
+    return any(
+        isinstance(leaf, tf.TensorSpec)
+        and leaf.shape.rank is not None
+        and None in leaf.shape.as_list()[1:]
+        for leaf in tf.nest.flatten(spec)
+    )

@@ -363,7 +363,7 @@ class BatchedDataset(Source):
         if batch_size == self.batch_size and not repeat:
             # The user's pipeline, as it is but for its end.
             return _pipelines.for_keras(self.data, one_worker=self.one_worker)
-        if _varies_in_length(self.data.element_spec):
+        if _pipelines.padded_to_each_batch(self.data.element_spec):
             raise ValueError(
                 f"`{self.argument}` is batched, and its examples vary in "
                 f"length (`padded_batch`), so it cannot be batched again at "
@@ -407,17 +407,6 @@ class DatasetCallable(Source):
         if repeat:
             dataset = dataset.repeat()
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
-
-
-def _varies_in_length(spec) -> bool:
-    """Whether a batch of `spec` has an axis after the batch's of unknown
-    length (its examples were padded to each batch's longest)."""
-    return any(
-        isinstance(leaf, tf.TensorSpec)
-        and leaf.shape.rank is not None
-        and None in leaf.shape.as_list()[1:]
-        for leaf in tf.nest.flatten(spec)
-    )
 
 
 def cycled(parts, batch_size: int, steps: int, *, one_worker: bool, then=None):

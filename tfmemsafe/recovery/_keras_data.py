@@ -21,10 +21,8 @@ import tensorflow as tf
 from tfmemsafe import _pipelines
 from tfmemsafe import distribute
 from tfmemsafe._per_step_variables import without_per_step_variables
+from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe.errors import OutOfMemoryError
-
-# Keras' default batch size, for arrays and unbatched datasets.
-DEFAULT_BATCH_SIZE = 32
 
 
 def is_iterable_only(x) -> bool:
@@ -141,12 +139,7 @@ def padded_batches(data) -> bool:
         return False
     if not _pipelines.batching_of(data)[0]:
         return False
-    return any(
-        isinstance(leaf, tf.TensorSpec)
-        and leaf.shape.rank is not None
-        and None in leaf.shape.as_list()[1:]
-        for leaf in tf.nest.flatten(data.element_spec)
-    )
+    return _pipelines.padded_to_each_batch(data.element_spec)
 
 
 @contextlib.contextmanager
