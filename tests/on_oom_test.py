@@ -850,6 +850,24 @@ class MicroBatchSizeTest(tf.test.TestCase):
         # (900 - 100 - 50) MiB at 1 MiB a row.
         self.assertEqual(size.ran_out(1024, 100 * _MIB), 750)
 
+    def test_one_size_measured_is_probed_before_smaller_ones(self):
+        # 60 MiB whatever the rows (a convolution's workspace), and
+        # 0.25 MiB a row: one size alone cannot tell them apart.
+        def above(rows):
+            return (60 + rows / 4) * _MIB
+
+        size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
+        size.measured(1024, 100 * _MIB + above(1024), 100 * _MIB)
+        in_use = 700 * _MIB  # 200 of the 900 usable are free.
+        # Through the origin, 200 MiB would take 640 rows (260 MiB).
+        rows = size.ran_out(1024, in_use)
+        self.assertEqual(size.probe_rows(), 64)
+        size.measured(64, in_use + above(64), in_use)
+        self.assertIsNone(size.probe_rows())
+        # By the line through both: (200 - 60) MiB at 0.25 MiB a row.
+        self.assertLess(size.rows, rows)
+        self.assertEqual(size.rows, 560)
+
     def test_memory_held_past_the_headroom_leaves_what_is_free(self):
         size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
         size.measured(100, 300 * _MIB, 200 * _MIB)  # 1 MiB a row.

@@ -11,9 +11,12 @@ are measured:
 - After an out-of-memory error, the next size is the largest that this
   measurement predicts to leave `memory.HEADROOM` of the limit free,
   beside what is in use now: one error from a batch 8x too large, not
-  three. Without a measurement the first micro-batch is a probe of a
-  sixteenth of the rows that ran out, measured, and the rest of the batch
-  is sized from it. A size that ran out is a fact: nothing at or above
+  three. Without two sizes measured, the first micro-batch is a probe of
+  a sixteenth of the rows that ran out, measured, and the rest of the
+  batch is sized from the line through both: one size alone cannot tell
+  the peak's part that shrinks with the rows from the part that does not
+  (TensorFlow's CPU convolution gradients take a workspace of about
+  30 MiB whatever the rows). A size that ran out is a fact: nothing at or above
   it is chosen again while as much memory is held as when it ran out.
 - After `grow_back_after` clean steps the size doubles, if the
   measurement predicts the double to fit (or, without statistics, after
@@ -101,12 +104,14 @@ class MicroBatchSize:
         if held is None or in_use_bytes is None or in_use_bytes < held:
             self._ran_out[rows] = in_use_bytes
         fitting = self._fitting_rows(in_use_bytes)
-        if fitting is None and in_use_bytes is not None and not self._above:
-            # Nothing measured yet: measure a small first piece.
-            self._probe = max(self.floor, rows // _PROBE_FRACTION)
-            fitting = rows // 2
-        elif fitting is None or fitting >= rows:
-            fitting = rows // 2  # The prediction was wrong: halve.
+        if fitting is None or fitting >= rows:
+            fitting = rows // 2  # Nothing predicts, or it was wrong: halve.
+        if in_use_bytes is not None and self._slope() is None:
+            # Fewer than two sizes measured, which a smaller size's peak
+            # cannot be read from: what does not shrink with the rows (a
+            # kernel's workspace) is not told from what does. The first
+            # micro-batch is measured before the others are sized.
+            self._probe = max(self.floor, min(fitting, rows // _PROBE_FRACTION))
         self.rows = max(self.floor, self._below_failures(fitting, in_use_bytes))
         return self.rows
 
@@ -155,23 +160,33 @@ class MicroBatchSize:
             room = (self.limit_bytes - in_use_bytes) / 2 - fixed
         return max(0, math.floor(room / per_row))
 
+    def _slope(self):
+        """`(fixed, per_row)` bytes above what is in use, through the two
+        largest sizes measured when they are at least twice apart (two
+        close readings give a slope of noise) and the larger peaks
+        higher; else `None`."""
+        sizes = sorted(self._above, reverse=True)
+        large = sizes[0] if sizes else None
+        small = next((r for r in sizes if 2 * r <= large), None)
+        if small is None:
+            return None
+        per_row = (self._above[large] - self._above[small]) / (large - small)
+        if per_row <= 0:
+            return None
+        return self._above[large] - per_row * large, per_row
+
     def _line(self):
         """`(fixed, per_row)` bytes above what is in use, from the
-        measurements: through the two largest sizes measured when they
-        are at least twice apart (two close readings give a slope of
-        noise), else all of it per row (an over-estimate, the safe
-        side); `None` when nothing grows with the rows."""
-        sizes = sorted(self._above, reverse=True)
-        if not sizes:
+        measurements: `_slope`, else all of it per row (an over-estimate
+        of a larger size, the safe side for a grow-back; an under-estimate
+        of a smaller one, so `ran_out` probes); `None` when nothing grows
+        with the rows."""
+        line = self._slope()
+        if line is not None:
+            return line
+        if not self._above:
             return None
-        large = sizes[0]
-        small = next((r for r in sizes if 2 * r <= large), None)
-        if small is not None:
-            per_row = (self._above[large] - self._above[small]) / (
-                large - small
-            )
-            if per_row > 0:
-                return self._above[large] - per_row * large, per_row
+        large = max(self._above)
         if self._above[large] <= 0:
             return None
         return 0.0, self._above[large] / large
