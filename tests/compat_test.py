@@ -2,6 +2,8 @@
 checked against the installed release: one that moves a name fails here,
 loudly, before it changes what tfmemsafe does."""
 
+import contextlib
+import importlib
 from unittest import mock
 
 import keras
@@ -23,6 +25,15 @@ def _nested():
     )
     inputs = keras.Input((4,))
     return keras.Model(inputs, keras.layers.Dense(2)(inner(inputs)))
+
+
+@contextlib.contextmanager
+def _without(module: str, name: str):
+    """`module` without `name`, as a release that moved it."""
+    namespace = importlib.import_module(module).__dict__
+    with mock.patch.dict(namespace):
+        del namespace[name]
+        yield
 
 
 class PrivateNamesTest(tf.test.TestCase):
@@ -50,7 +61,7 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertNotAllEqual(before, state.numpy())
 
     def test_a_keras_mask_is_read(self):
-        from keras.src.backend import get_keras_mask  # noqa: F401
+        from keras.src.backend.common.masking import get_keras_mask  # noqa: F401
 
         masked = keras.layers.Masking(0.0)(tf.constant([[[0.0], [1.0]]]))
         self.assertTrue(_compat.has_keras_mask(masked))
@@ -90,6 +101,33 @@ class PrivateNamesTest(tf.test.TestCase):
         )
         self.assertFalse(_compat.in_multi_worker_mode(strategy))
 
+    def test_keras_scopes_are_read(self):
+        self.assertFalse(_compat.in_symbolic_scope())
+        self.assertFalse(_compat.in_stateless_scope())
+        with keras.SymbolicScope():
+            self.assertTrue(_compat.in_symbolic_scope())
+        with keras.StatelessScope():
+            self.assertTrue(_compat.in_stateless_scope())
+
+    def test_autocast_off_reads_a_mixed_layers_variable_as_stored(self):
+        layer = keras.layers.Dense(2, dtype="mixed_float16")
+        layer.build((None, 3))
+        from keras.src.backend.common.variables import AutocastScope
+
+        with AutocastScope("float16"):
+            self.assertEqual(layer.kernel.value.dtype, tf.float16)
+            with _compat.autocast_off():
+                self.assertEqual(layer.kernel.value.dtype, tf.float32)
+
+    def test_the_global_seed_generator_is_made_and_read(self):
+        known, generator = _compat.global_seed_generator(create=True)
+        self.assertTrue(known)
+        self.assertIsInstance(generator, keras.random.SeedGenerator)
+        before = np.array(generator.state.numpy())
+        keras.random.normal((2,))  # Unseeded: draws from it.
+        self.assertNotAllEqual(before, generator.state.numpy())
+        self.assertIs(_compat.global_seed_generator()[1], generator)
+
 
 class FallbackTest(tf.test.TestCase):
     """Where a name is gone, a warning, and the reading that refuses."""
@@ -120,9 +158,32 @@ class FallbackTest(tf.test.TestCase):
         with self.assertWarnsRegex(RuntimeWarning, "_in_multi_worker_mode"):
             self.assertFalse(_compat.in_multi_worker_mode(Strategy()))
 
+    def test_missing_scopes_leave_a_checkpointed_layer_unchecked(self):
+        from tfmemsafe.checkpointing import Checkpointed
+
+        layer = Checkpointed(keras.layers.Dense(2))
+        layer.build((None, 3))
+        x = tf.ones((4, 3))
+        for module, name in (
+            ("keras.src.backend.common.variables", "AutocastScope"),
+            ("keras.src.random.seed_generator", "global_seed_generator"),
+        ):
+            with (
+                _without(module, name),
+                self.assertWarnsRegex(RuntimeWarning, name),
+            ):
+                self.assertAllClose(layer(x), layer.layer(x))
+        for name in ("in_symbolic_scope", "in_stateless_scope"):
+            module = f"keras.src.backend.common.{name[3:]}"
+            with (
+                _without(module, name),
+                self.assertWarnsRegex(RuntimeWarning, name),
+            ):
+                self.assertTrue(getattr(_compat, name)())
+
     def test_a_missing_mask_reader_takes_every_output_as_masked(self):
         with (
-            mock.patch.dict("sys.modules", {"keras.src.backend": None}),
+            _without("keras.src.backend.common.masking", "get_keras_mask"),
             mock.patch.object(_compat, "_version", return_value=(3, 20)),
             self.assertWarnsRegex(RuntimeWarning, "get_keras_mask"),
         ):

@@ -86,18 +86,19 @@ def has_keras_mask(tensor) -> bool:
     """Whether a layer attached a Keras mask to `tensor`.
 
     `keras.ops` has no public reader of a tensor's mask. Checked:
-    `keras.src.backend.get_keras_mask` (Keras 3.6 and later), and before
-    it the attribute `_keras_mask` that it reads. Where neither is found,
-    the tensor is taken to be masked: a loss over masked outputs does not
-    average over the batch's rows, so a batch is then not split.
+    `keras.src.backend.common.masking.get_keras_mask` (Keras 3.6 to
+    3.16.dev, which no longer re-exports it from `keras.src.backend`),
+    and before it the attribute `_keras_mask` that it reads. Where neither
+    is found, the tensor is taken to be masked: a loss over masked outputs
+    does not average over the batch's rows, so a batch is then not split.
     """
     try:
-        from keras.src.backend import get_keras_mask
+        from keras.src.backend.common.masking import get_keras_mask
     except ImportError:
         if _version() < (3, 6):
             return getattr(tensor, "_keras_mask", None) is not None
         _moved(
-            "keras.src.backend.get_keras_mask",
+            "keras.src.backend.common.masking.get_keras_mask",
             "every output is taken to be masked, so a batch that runs out "
             "of memory is not split.",
         )
@@ -176,3 +177,83 @@ def in_multi_worker_mode(strategy) -> bool:
     resolver = getattr(strategy, "cluster_resolver", None)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     return len(spec.get("worker", [])) + len(spec.get("chief", [])) > 1
+
+
+# Keras' scopes and random state, read by `Checkpointed`. Keras exports
+# `keras.SymbolicScope`, `keras.StatelessScope` and `keras.random`, but
+# not whether a scope is active, the scope that turns autocasting off, or
+# the generator behind unseeded `keras.random` calls. Each is imported
+# from the module that defines it, the same in Keras 3.5, 3.15 and
+# 3.16.dev (which no longer re-exports `AutocastScope` from
+# `keras.src.backend`). Where one is gone, `Checkpointed` runs its layer
+# as it is: memory, not results, changes.
+
+
+def in_symbolic_scope() -> bool:
+    """Whether Keras is inferring shapes (`keras.SymbolicScope`). Checked:
+    `keras.src.backend.common.symbolic_scope.in_symbolic_scope`; gone:
+    `True`."""
+    try:
+        from keras.src.backend.common.symbolic_scope import (
+            in_symbolic_scope as read,
+        )
+    except ImportError:
+        _moved(
+            "keras.src.backend.common.symbolic_scope.in_symbolic_scope",
+            "`Checkpointed` layers run without checkpointing.",
+        )
+        return True
+    return bool(read())
+
+
+def in_stateless_scope() -> bool:
+    """Whether a `keras.StatelessScope` is active. Checked:
+    `keras.src.backend.common.stateless_scope.in_stateless_scope`; gone:
+    `True`."""
+    try:
+        from keras.src.backend.common.stateless_scope import (
+            in_stateless_scope as read,
+        )
+    except ImportError:
+        _moved(
+            "keras.src.backend.common.stateless_scope.in_stateless_scope",
+            "`Checkpointed` layers run without checkpointing.",
+        )
+        return True
+    return bool(read())
+
+
+def autocast_off():
+    """A context in which Keras variables read as they are stored (under
+    a mixed-precision policy, not cast to the compute dtype), or `None`.
+    Checked: `keras.src.backend.common.variables.AutocastScope(None)`."""
+    try:
+        from keras.src.backend.common.variables import AutocastScope
+    except ImportError:
+        _moved(
+            "keras.src.backend.common.variables.AutocastScope",
+            "`Checkpointed` layers run without checkpointing.",
+        )
+        return None
+    return AutocastScope(None)
+
+
+def global_seed_generator(create: bool = False) -> tuple:
+    """`(known, generator)`: the `keras.random.SeedGenerator` behind this
+    thread's unseeded `keras.random` calls (made first if `create`), or
+    `None` where the thread has none; `known` is `False` where Keras moved
+    it. Checked: `keras.src.random.seed_generator.global_seed_generator`
+    and the global attribute `"global_seed_generator"` it keeps in
+    `keras.src.backend.common.global_state`."""
+    try:
+        from keras.src.backend.common.global_state import get_global_attribute
+        from keras.src.random.seed_generator import global_seed_generator
+    except ImportError:
+        _moved(
+            "keras.src.random.seed_generator.global_seed_generator",
+            "`Checkpointed` layers run without checkpointing.",
+        )
+        return False, None
+    if create:
+        global_seed_generator()
+    return True, get_global_attribute("global_seed_generator")

@@ -34,10 +34,6 @@ from absl import logging
 from tfmemsafe import _compat
 from tfmemsafe.accumulation import GradientAccumulator
 
-# Keras has no public name for the generator that `keras.random` draws
-# from when no seed is given.
-from keras.src.backend.common import global_state  # isort: skip
-
 
 class ModelState:
     """Everything a training step changes in a model, to put back exactly.
@@ -69,7 +65,7 @@ class ModelState:
             variables += optimizer.variables
         for accumulator in gradient_accumulators_of(model):
             variables += accumulator.state_variables()
-        generator = global_state.get_global_attribute("global_seed_generator")
+        _, generator = _compat.global_seed_generator()
         if generator is not None:
             variables.append(generator.state)
         self.model = model

@@ -14,17 +14,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-# Keras 3.15 has no public equivalent of these: `keras.StatelessScope` and
-# `keras.SymbolicScope` are public but not `in_stateless_scope()` and
-# `in_symbolic_scope()` (asking whether one is active), nor
-# `AutocastScope`; and the `SeedGenerator` behind unseeded `keras.random`
-# calls is created by `global_seed_generator()` and kept in Keras' global
-# state with no public accessor.
-from keras.src import backend as keras_backend
-from keras.src.backend.common import global_state as keras_global_state
-from keras.src.random.seed_generator import global_seed_generator
-
 from tfmemsafe import _checks
+from tfmemsafe import _compat
 from tfmemsafe.checkpointing import _random_ops
 from tfmemsafe.checkpointing import _recompute
 
@@ -116,7 +107,7 @@ class Checkpointed(keras.layers.Wrapper):
         super().build(input_shape)
         # Unseeded `keras.random` calls create this generator on first use;
         # create it now so that its state can be replayed like any other.
-        global_seed_generator()
+        _compat.global_seed_generator(create=True)
 
     def get_config(self):
         return {**super().get_config(), "recompute": self.recompute}
@@ -134,15 +125,12 @@ class Checkpointed(keras.layers.Wrapper):
 
     def call(self, inputs, training=None):
         kwargs = {"training": training} if self._layer_takes_training else {}
-        if (
-            keras_backend.in_symbolic_scope()
-            or keras_backend.in_stateless_scope()
-        ):
+        if _compat.in_symbolic_scope() or _compat.in_stateless_scope():
             # Shape inference, or a stateless call whose variable values
             # live in the scope and would not receive gradients through
             # the recomputation: run the layer as it is.
             if (
-                not keras_backend.in_symbolic_scope()
+                not _compat.in_symbolic_scope()
                 and not self._warned_not_checkpointed
             ):
                 logging.warning(
@@ -173,12 +161,13 @@ class Checkpointed(keras.layers.Wrapper):
         # Keras keeps this generator per thread: `build` created it in the
         # building thread; the replica threads of a `tf.distribute`
         # strategy have none (and Keras cannot make one there either).
-        generator = keras_global_state.get_global_attribute(
-            "global_seed_generator"
-        )
+        known, generator = _compat.global_seed_generator()
+        autocast_off = _compat.autocast_off()
+        if not known or autocast_off is None:
+            return self.layer(inputs, **kwargs)  # `_compat` warned.
         if generator is not None:
             state.append(generator.state)
-        with keras_backend.AutocastScope(None):
+        with autocast_off:
             weight_values = [tf.identity(v.value) for v in weights]
             state_values = [tf.identity(v.value) for v in state]
         forward_outputs = []
