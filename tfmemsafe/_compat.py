@@ -14,6 +14,7 @@ moves.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 
 import keras
@@ -193,31 +194,25 @@ def in_symbolic_scope() -> bool:
     """Whether Keras is inferring shapes (`keras.SymbolicScope`). Checked:
     `keras.src.backend.common.symbolic_scope.in_symbolic_scope`; gone:
     `True`."""
-    try:
-        from keras.src.backend.common.symbolic_scope import (
-            in_symbolic_scope as read,
-        )
-    except ImportError:
-        _moved(
-            "keras.src.backend.common.symbolic_scope.in_symbolic_scope",
-            "`Checkpointed` layers run without checkpointing.",
-        )
-        return True
-    return bool(read())
+    return _in_scope("symbolic_scope", "in_symbolic_scope")
 
 
 def in_stateless_scope() -> bool:
     """Whether a `keras.StatelessScope` is active. Checked:
     `keras.src.backend.common.stateless_scope.in_stateless_scope`; gone:
     `True`."""
+    return _in_scope("stateless_scope", "in_stateless_scope")
+
+
+def _in_scope(module: str, name: str) -> bool:
+    path = f"keras.src.backend.common.{module}"
     try:
-        from keras.src.backend.common.stateless_scope import (
-            in_stateless_scope as read,
-        )
+        read = getattr(importlib.import_module(path), name, None)
     except ImportError:
+        read = None
+    if read is None:
         _moved(
-            "keras.src.backend.common.stateless_scope.in_stateless_scope",
-            "`Checkpointed` layers run without checkpointing.",
+            f"{path}.{name}", "`Checkpointed` layers run without checkpointing."
         )
         return True
     return bool(read())
