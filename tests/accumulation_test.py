@@ -557,10 +557,29 @@ class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):
         for model in models:
             model.fit(_batches([4, 12, 8, 8, 20]), epochs=1, verbose=0)
         plain, scaled = models
-        self.assertEqual(_iterations(plain), 3)
-        self.assertEqual(int(scaled.optimizer.iterations.numpy()), 3)
+        # Windows of 4 + 12 + 8 and 8 + 20 samples; none left open.
+        self.assertEqual(_iterations(plain), 2)
+        self.assertEqual(int(scaled.optimizer.iterations.numpy()), 2)
         self.assertEqual(scaled.skipped_windows, 0)
         self.assertLess(_max_difference(plain, scaled), 1e-5)
+
+    def test_unknown_length_makes_the_updates_of_known_length(self):
+        # Keras calls the step once more at the end of data of unknown
+        # length; that call must not count as a micro-batch, which the
+        # epoch's end would apply as an (Adam: weight-moving) update.
+        models = []
+        for _ in range(2):
+            model = _functional(AccumulatingModel, samples_per_update=24)
+            model.compile(_optimizer("adam"), "mse")
+            if models:
+                model.set_weights(models[0].get_weights())
+            models.append(model)
+        unknown = _batches([4, 12, 8, 8, 20])
+        known = unknown.apply(tf.data.experimental.assert_cardinality(5))
+        for model, data in zip(models, (known, unknown), strict=True):
+            model.fit(data, epochs=2, verbose=0)
+        self.assertEqual([_iterations(m) for m in models], [4, 4])
+        self.assertLess(_max_difference(*models), 1e-6)
 
     def test_tokens_per_update_counts_padded_tokens(self):
         keras.utils.set_random_seed(0)

@@ -70,6 +70,7 @@ class Window:
     def add(self, gradients, weight, size) -> None:
         """Adds one micro-batch's gradients, weighted by `weight`, and its
         `size` to the window's."""
+        added = []
         for index, (accumulator, gradient) in enumerate(
             zip(self.accumulators, gradients, strict=True)
         ):
@@ -84,21 +85,31 @@ class Window:
                 gradient = tf.convert_to_tensor(gradient)
             if isinstance(gradient, tf.IndexedSlices):
                 values = tf.cast(gradient.values, accumulator.dtype)
-                accumulator.scatter_add(
-                    tf.IndexedSlices(
-                        values * tf.cast(weight, values.dtype),
-                        gradient.indices,
-                        gradient.dense_shape,
+                added.append(
+                    accumulator.scatter_add(
+                        tf.IndexedSlices(
+                            values * tf.cast(weight, values.dtype),
+                            gradient.indices,
+                            gradient.dense_shape,
+                        )
                     )
                 )
             else:
                 gradient = tf.cast(gradient, accumulator.dtype)
-                accumulator.assign_add(
-                    gradient * tf.cast(weight, accumulator.dtype)
+                added.append(
+                    accumulator.assign_add(
+                        gradient * tf.cast(weight, accumulator.dtype)
+                    )
                 )
-        self.sample_total.assign_add(weight)
-        self.size.assign_add(tf.cast(size, tf.float32))
-        self.micro_batches.assign_add(1)
+        added.append(self.sample_total.assign_add(weight))
+        added.append(self.size.assign_add(tf.cast(size, tf.float32)))
+        # After the sums, which depend on the batch's values: Keras calls
+        # its step once more at the end of data of unknown length, where
+        # reading the batch fails, and a counter that depended on nothing
+        # could tick there before it, so that the epoch's end would apply
+        # an empty window.
+        with tf.control_dependencies(added):
+            self.micro_batches.assign_add(1)
 
     def reset(self) -> None:
         for variable in [
