@@ -29,6 +29,12 @@ import tfmemsafe  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
 
 _MB = 1024 * 1024
+# The capped children run independent ops one at a time, as a GPU's one
+# stream does: with TensorFlow's default inter-op threads a step's peak
+# depends on which ops ran side by side (a 32x32 conv net's step of one
+# example peaks 32 or 64 MB from run to run, of 512 154 to 194 MB), with
+# one it repeats to 0.1 MB, loaded or not.
+_ONE_STREAM = {"TF_NUM_INTEROP_THREADS": "1"}
 
 
 def _compile(model, **kwargs):
@@ -342,6 +348,7 @@ def _in_fresh_processes(target, network, count=5):
                     _REPEAT_CAP_MB[network],
                     args=[network],
                     timeout=1500,
+                    env=_ONE_STREAM,
                 ),
                 range(count),
             )
@@ -364,6 +371,7 @@ class RepeatableTest(tf.test.TestCase):
                 _REPEAT_CAP_MB[cls.network],
                 args=[cls.network],
                 timeout=1500,
+                env=_ONE_STREAM,
             )
             for _ in range(5)
         ]
@@ -373,6 +381,7 @@ class RepeatableTest(tf.test.TestCase):
             _REPEAT_CAP_MB[cls.network],
             args=[cls.network],
             timeout=1500,
+            env=_ONE_STREAM,
         )
 
     @classmethod
@@ -433,6 +442,7 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
                 cap_mb,
                 args=[name],
                 timeout=1500,
+                env=_ONE_STREAM,
             )
             for name, (_, cap_mb, _) in _ARCHITECTURES.items()
             if _PROOF or name not in _UNMET
@@ -501,6 +511,7 @@ class OneDnnAccuracyTest(parameterized.TestCase, tf.test.TestCase):
                 _ARCHITECTURES[name][1]
             )
             environment["TF_ENABLE_ONEDNN_OPTS"] = "1"
+            environment.update(_ONE_STREAM)
             cls._results[name] = cls._pool.submit(
                 testing.run_in_subprocess,
                 accuracy_at_four_times,
@@ -1016,7 +1027,9 @@ class LengthsOnArraysTest(tf.test.TestCase):
     """Arrays are probed at other lengths from the run's own tensors."""
 
     def test_arrays_are_probed_at_another_length(self):
-        result = testing.run_with_memory_cap(lengths_on_arrays, 700)
+        result = testing.run_with_memory_cap(
+            lengths_on_arrays, 700, env=_ONE_STREAM
+        )
         # Two probes at 128, each read again where the pair disagreed.
         self.assertEqual(set(result["lengths"]), {128}, msg=result)
         self.assertIn(len(result["lengths"]), (2, 4), msg=result)
