@@ -104,13 +104,17 @@ class MicroBatchSize:
         if held is None or in_use_bytes is None or in_use_bytes < held:
             self._ran_out[rows] = in_use_bytes
         fitting = self._fitting_rows(in_use_bytes)
-        if fitting is None or fitting >= rows:
-            fitting = rows // 2  # Nothing predicts, or it was wrong: halve.
-        if in_use_bytes is not None and self._slope() is None:
-            # Fewer than two sizes measured, which a smaller size's peak
-            # cannot be read from: what does not shrink with the rows (a
-            # kernel's workspace) is not told from what does. The first
-            # micro-batch is measured before the others are sized.
+        if fitting is None and in_use_bytes is not None and not self._above:
+            # Nothing measured yet: measure a small first piece.
+            self._probe = max(self.floor, rows // _PROBE_FRACTION)
+            fitting = rows // 2
+        elif fitting is None or fitting >= rows:
+            fitting = rows // 2  # The prediction was wrong: halve.
+        elif self._slope() is None and fitting < max(self._above):
+            # Read down from one larger size: through the origin, that
+            # under-predicts a smaller size's peak by what does not shrink
+            # with the rows (a kernel's workspace). The first micro-batch
+            # is measured before the others are sized.
             self._probe = max(self.floor, min(fitting, rows // _PROBE_FRACTION))
         self.rows = max(self.floor, self._below_failures(fitting, in_use_bytes))
         return self.rows
