@@ -125,14 +125,12 @@ class Checkpointed(keras.layers.Wrapper):
 
     def call(self, inputs, training=None):
         kwargs = {"training": training} if self._layer_takes_training else {}
-        if _compat.in_symbolic_scope() or _compat.in_stateless_scope():
+        symbolic = _compat.in_symbolic_scope()
+        if symbolic or _compat.in_stateless_scope():
             # Shape inference, or a stateless call whose variable values
             # live in the scope and would not receive gradients through
             # the recomputation: run the layer as it is.
-            if (
-                not _compat.in_symbolic_scope()
-                and not self._warned_not_checkpointed
-            ):
+            if not symbolic and not self._warned_not_checkpointed:
                 logging.warning(
                     "Checkpointed layer '%s' was called inside a "
                     "keras.StatelessScope; it runs without checkpointing "

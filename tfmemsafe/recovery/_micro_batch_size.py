@@ -11,13 +11,15 @@ are measured:
 - After an out-of-memory error, the next size is the largest that this
   measurement predicts to leave `memory.HEADROOM` of the limit free,
   beside what is in use now: one error from a batch 8x too large, not
-  three. Without two sizes measured, the first micro-batch is a probe of
-  a sixteenth of the rows that ran out, measured, and the rest of the
-  batch is sized from the line through both: one size alone cannot tell
-  the peak's part that shrinks with the rows from the part that does not
-  (TensorFlow's CPU convolution gradients take a workspace of about
-  30 MiB whatever the rows). A size that ran out is a fact: nothing at or above
-  it is chosen again while as much memory is held as when it ran out.
+  three. With nothing measured, or only one size larger than the one
+  predicted, the first micro-batch is a probe of a sixteenth of the rows
+  that ran out, measured, and the rest of the batch is sized from it:
+  one size alone cannot tell the peak's part that shrinks with the rows
+  from the part that does not (TensorFlow's CPU convolution gradients
+  take a workspace of about 30 MiB whatever the rows), so read down from
+  it the line under-predicts. A prediction that ran out halves instead.
+  A size that ran out is a fact: nothing at or above it is chosen again
+  while as much memory is held as when it ran out.
 - After `grow_back_after` clean steps the size doubles, if the
   measurement predicts the double to fit (or, without statistics, after
   twice as many clean steps as the last grow-back that ran out).
@@ -170,7 +172,9 @@ class MicroBatchSize:
         close readings give a slope of noise) and the larger peaks
         higher; else `None`."""
         sizes = sorted(self._above, reverse=True)
-        large = sizes[0] if sizes else None
+        if not sizes:
+            return None
+        large = sizes[0]
         small = next((r for r in sizes if 2 * r <= large), None)
         if small is None:
             return None
