@@ -11,6 +11,7 @@ import concurrent.futures
 import csv
 import os
 import tempfile
+import time
 
 import _models
 import keras
@@ -784,6 +785,83 @@ class MirroredStrategyTest(tf.test.TestCase):
         # Evaluation and prediction of the same weights, split by replica.
         self.assertAllClose(*result["evaluated"], atol=1e-4)
         self.assertAllClose(*result["predicted"], atol=1e-4)
+
+    def test_one_replica_running_out_in_its_backward_pass_is_split(self):
+        # The other replica's gradients exist long before: the step is
+        # still unchanged, so it is split, not given up as "inside the
+        # update".
+        result = testing.run_in_subprocess(_mirrored_late_backward_oom)
+        self.assertIsNone(result["error"])
+        self.assertLen(result["events"], 1)
+        self.assertEqual(result["iterations"], 1)
+
+
+class _SecondReplicaRunsOutLate(keras.layers.Layer):
+    """Passes its input through; its gradient, on the second replica
+    and on more than `rows` rows, waits 2 s and then runs out of memory."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def call(self, inputs):
+        context = tf.distribute.get_replica_context()
+        if context is None:  # Keras' symbolic build.
+            return inputs
+        replica = context.replica_id_in_sync_group
+
+        def check(replica, count):
+            if int(replica) == 1 and int(count) > self.rows:
+                time.sleep(2)
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, "OOM when allocating tensor (backward)"
+                )
+            return np.float32(0.0)
+
+        @tf.custom_gradient
+        def identity(x):
+            def backward(upstream):
+                zero = tf.py_function(
+                    check, [replica, tf.shape(x)[0]], tf.float32
+                )
+                return upstream + zero
+
+            return tf.identity(x), backward
+
+        return identity(inputs)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def _mirrored_late_backward_oom():
+    strategy = _models.mirrored_on_two_cpus()
+    x, y = _features(64)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(16, activation="relu"),
+                _SecondReplicaRunsOutLate(8),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    split = tfmemsafe.SplitBatchOnOOM()
+    error = None
+    try:
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[split])
+    except tfmemsafe.OutOfMemoryError as err:
+        error = str(err)
+    return {
+        "error": error,
+        "events": [str(event) for event in split.oom_events],
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
 
 
 def _mirrored_split():

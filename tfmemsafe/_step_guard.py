@@ -112,7 +112,7 @@ class StepGuard:
                 None if g is None else _like(g, next(ready)) for g in gradients
             ]
             with tf.control_dependencies(flat):
-                mark = guard._touched.assign(True)
+                mark = guard._mark()
             with tf.control_dependencies([mark]), guard._in_order():
                 return original(gradients, *args, **kwargs)
 
@@ -137,6 +137,27 @@ class StepGuard:
 
         vars(accumulator)["apply_if_ready"] = apply_if_ready
         self._patched.append((accumulator, "apply_if_ready"))
+
+    def _mark(self):
+        """Sets the marker, after the control dependencies open where it is
+        called: the gradients of the replica that calls it.
+
+        Under a `tf.distribute` strategy each replica reaches the barrier
+        with its own gradients, and one that finishes first must not mark
+        the step while another still runs out of memory in its backward
+        pass: nothing is updated before every replica's gradients are
+        reduced. So there the marker is set once, in a `merge_call`, which
+        TensorFlow orders after the control dependencies open in every
+        replica (`mirrored_run`'s merged `captured_control_deps`).
+        """
+        if not tf.distribute.has_strategy():
+            return self._touched.assign(True, read_value=False)
+        context = tf.distribute.get_replica_context()
+        if context is None:  # Cross-replica: one caller already.
+            return self._touched.assign(True, read_value=False)
+        return context.merge_call(
+            lambda _: self._touched.assign(True, read_value=False)
+        )
 
     @contextlib.contextmanager
     def _in_order(self):
