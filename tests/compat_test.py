@@ -128,6 +128,40 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertNotAllEqual(before, generator.state.numpy())
         self.assertIs(_compat.global_seed_generator()[1], generator)
 
+    def test_onednn_is_read_from_tensorflow(self):
+        from tensorflow.python.util import _pywrap_util_port
+
+        self.assertEqual(
+            _compat.onednn_enabled(), bool(_pywrap_util_port.IsMklEnabled())
+        )
+
+    def test_the_eager_context_is_started_here_and_not_in_a_fresh_process(
+        self,
+    ):
+        from tfmemsafe import testing
+
+        tf.constant(1.0)  # Starts it.
+        self.assertTrue(_compat.eager_context_started())
+        self.assertFalse(
+            testing.run_in_subprocess("tfmemsafe._compat:eager_context_started")
+        )
+
+    def test_stop_recording_pauses_every_tape(self):
+        x = tf.constant(2.0)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with _compat.stop_recording():
+                y = x * x
+        self.assertIsNone(tape.gradient(y, x))
+
+    def test_one_process_is_one_worker(self):
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        self.assertTrue(hasattr(strategy.extended, "_num_workers"))
+        self.assertEqual(_compat.num_workers(strategy), 1)
+        from tensorflow.python.eager import context
+
+        self.assertTrue(callable(context.context().report_error_to_cluster))
+
 
 class FallbackTest(tf.test.TestCase):
     """Where a name is gone, a warning, and the reading that refuses."""
@@ -180,6 +214,43 @@ class FallbackTest(tf.test.TestCase):
                 self.assertWarnsRegex(RuntimeWarning, name),
             ):
                 self.assertTrue(getattr(_compat, name)())
+
+    def test_without_stop_recording_checkpointing_keeps_its_gradients(
+        self,
+    ):
+        from tfmemsafe.checkpointing import Checkpointed
+
+        layer = Checkpointed(keras.layers.Dense(2))
+        layer.build((None, 3))
+        x = tf.random.normal((4, 3))
+        gradients = []
+        for gone in (False, True):
+            with contextlib.ExitStack() as stack:
+                if gone:
+                    stack.enter_context(
+                        _without(
+                            "tensorflow.python.eager.record", "stop_recording"
+                        )
+                    )
+                    stack.enter_context(
+                        self.assertWarnsRegex(RuntimeWarning, "stop_recording")
+                    )
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(layer(x) ** 2)
+                gradients.append(tape.gradient(loss, layer.trainable_variables))
+        for with_it, without in zip(*gradients, strict=True):
+            self.assertAllClose(with_it, without)
+
+    def test_a_missing_worker_count_counts_the_cluster(self):
+        class Extended:
+            pass
+
+        class Strategy:
+            extended = Extended()
+            cluster_resolver = None
+
+        with self.assertWarnsRegex(RuntimeWarning, "_num_workers"):
+            self.assertEqual(_compat.num_workers(Strategy()), 1)
 
     def test_a_missing_mask_reader_takes_every_output_as_masked(self):
         with (

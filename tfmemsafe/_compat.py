@@ -252,3 +252,119 @@ def global_seed_generator(create: bool = False) -> tuple:
     if create:
         global_seed_generator()
     return True, get_global_attribute("global_seed_generator")
+
+
+# TensorFlow's own. Checked on TensorFlow 2.16 and 2.21.
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs its CPU kernels through oneDNN. TensorFlow
+    has no public reader: the flag follows `TF_ENABLE_ONEDNN_OPTS` and,
+    unset, the CPU's features. Checked:
+    `tensorflow.python.util._pywrap_util_port.IsMklEnabled`; gone: the
+    environment variable alone (reported, not acted on)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        read = _pywrap_util_port.IsMklEnabled
+    except (ImportError, AttributeError):
+        import os
+
+        import tensorflow as tf
+
+        _moved(
+            "tensorflow.python.util._pywrap_util_port.IsMklEnabled",
+            "oneDNN is reported from TF_ENABLE_ONEDNN_OPTS alone.",
+            library=tf,
+        )
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "") in ("1", "true")
+    return bool(read())
+
+
+def eager_context_started() -> bool:
+    """Whether TensorFlow's eager context, and so its devices and
+    allocators, exist. Every public reader (`tf.config.list_logical_devices`)
+    creates it. Checked: `tensorflow.python.eager.context.context_safe()`
+    and its `_initialized`; gone: `True`, so that nothing is promised of
+    a setting read only at start-up."""
+    from tensorflow.python.eager import context
+
+    read = getattr(context, "context_safe", None)
+    current = read() if read is not None else None
+    if current is None and read is not None:
+        return False  # Not made yet.
+    started = getattr(current, "_initialized", None)
+    if started is None:
+        import tensorflow as tf
+
+        _moved(
+            "tensorflow.python.eager.context.context_safe()._initialized",
+            "TensorFlow is taken to have started.",
+            library=tf,
+        )
+        return True
+    return bool(started)
+
+
+def stop_recording():
+    """A context in which no gradient tape records, as `tf.recompute_grad`
+    pauses them; `None` where TensorFlow moved it. (`GradientTape.
+    stop_recording` pauses one tape, not the ones Keras' step holds.)
+    Checked: `tensorflow.python.eager.record.stop_recording`."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:
+        record = None
+    if not hasattr(record, "stop_recording"):
+        import tensorflow as tf
+
+        _moved(
+            "tensorflow.python.eager.record.stop_recording",
+            "`Checkpointed` layers keep their activations.",
+            library=tf,
+        )
+        return None
+    return record.stop_recording()
+
+
+def num_workers(strategy) -> int:
+    """The workers of a `tf.distribute` strategy's job (1 outside a
+    multi-worker one). TensorFlow says so publicly only through a cluster
+    resolver's spec, which a strategy made without one lacks. Checked:
+    `extended._num_workers`; gone: the cluster resolver's workers."""
+    count = getattr(strategy.extended, "_num_workers", None)
+    if count is not None:
+        return int(count)
+    import tensorflow as tf
+
+    _moved(
+        "Strategy.extended._num_workers",
+        "the cluster resolver's workers are counted instead.",
+        library=tf,
+    )
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+
+
+def report_error_to_cluster(code, message: str) -> None:
+    """Tells the other workers of this multi-worker job, through
+    TensorFlow's coordination service, that this one stops with `code`
+    and `message`. No public API reaches the service. Checked:
+    `tensorflow.python.eager.context.context().report_error_to_cluster`;
+    gone: nothing is sent, and the others learn of it from the missing
+    heartbeats instead. Raises what TensorFlow raises when the job has no
+    coordination service."""
+    from tensorflow.python.eager import context
+
+    report = getattr(context.context(), "report_error_to_cluster", None)
+    if report is None:
+        import tensorflow as tf
+
+        _moved(
+            "tensorflow.python.eager.context.context().report_error_to_cluster",
+            "the other workers learn of the error from missing heartbeats.",
+            library=tf,
+        )
+        return
+    report(code, message)

@@ -14,10 +14,6 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-# TensorFlow has no public way to report an error to the cluster's
-# coordination service (`report_error_to_cluster`).
-from tensorflow.python.eager import context
-
 from tfmemsafe import _compat
 from tfmemsafe import _messages
 from tfmemsafe.errors import OutOfMemoryError
@@ -121,7 +117,7 @@ def stop_all_workers(
             reported = line[line.index(_STOPPED) :]
             return OutOfMemoryError(reported, (batch_size,))
     strategy = strategy or tf.distribute.get_strategy()
-    workers = strategy.extended._num_workers
+    workers = _compat.num_workers(strategy)
     if resume_batch_size is None:
         restart = (
             "Restart all workers with a smaller batch size (for example "
@@ -159,9 +155,7 @@ def stop_all_workers(
         # Every worker learnt of it at the same step, and stops by itself.
         return OutOfMemoryError(message, (batch_size,))
     try:
-        context.context().report_error_to_cluster(
-            tf.errors.RESOURCE_EXHAUSTED, message
-        )
+        _compat.report_error_to_cluster(tf.errors.RESOURCE_EXHAUSTED, message)
     except (tf.errors.OpError, ValueError, RuntimeError) as report_error:
         # No coordination service: the others learn of it from the
         # missing heartbeats instead, within about a minute.

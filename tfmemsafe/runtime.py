@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _compat
 from tfmemsafe import _tensorflow_logs
 from tfmemsafe import memory
 
@@ -267,21 +268,12 @@ def _allocator_in_use(use_bfc: bool) -> str:
 
 
 def _onednn_enabled() -> bool:
-    # TensorFlow has no public API for this; the flag follows
-    # TF_ENABLE_ONEDNN_OPTS and, when unset, the CPU's features.
-    from tensorflow.python.util import _pywrap_util_port
-
-    return bool(_pywrap_util_port.IsMklEnabled())
+    return _compat.onednn_enabled()
 
 
 def _cpu_device_exists() -> bool:
     """Whether TensorFlow's eager context, and so its CPU device, exists."""
-    # No public API tells this without creating the context
-    # (tf.config.list_logical_devices creates it).
-    from tensorflow.python.eager import context
-
-    current = context.context_safe()
-    return current is not None and bool(getattr(current, "_initialized", 0))
+    return _compat.eager_context_started()
 
 
 def _choose_policy(precision: str, gpus) -> tuple[str, str]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-# Pauses every active gradient tape, as `tf.recompute_grad` does.
-from tensorflow.python.eager import record as tape_record
+from tfmemsafe import _compat
 
 
 def checkpoint(function, args, recompute):
@@ -25,8 +24,9 @@ def checkpoint(function, args, recompute):
 
     @tf.custom_gradient
     def forward(*inputs):
-        if recompute:
-            with tape_record.stop_recording():
+        paused = _compat.stop_recording() if recompute else None
+        if paused is not None:
+            with paused:
                 results = function(*inputs)
         else:
             recording = tf.GradientTape(persistent=True)
