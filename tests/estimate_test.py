@@ -30,10 +30,8 @@ from tfmemsafe import testing  # noqa: E402
 
 _MB = 1024 * 1024
 # The capped children run independent ops one at a time, as a GPU's one
-# stream does: with TensorFlow's default inter-op threads a step's peak
-# depends on which ops ran side by side (a 32x32 conv net's step of one
-# example peaks 32 or 64 MB from run to run, of 512 154 to 194 MB), with
-# one it repeats to 0.1 MB, loaded or not.
+# stream does, so that a step's peak does not depend on which ops ran
+# side by side (docs/memory-estimate.md, "Repeatability").
 _ONE_STREAM = {"TF_NUM_INTEROP_THREADS": "1"}
 
 
@@ -219,6 +217,7 @@ def _at_four_times(name, headroom):
         "text": str(estimate),
         "big": big,
         "predicted": estimate.peak_bytes(big),
+        "spare": estimate.spare_bytes(big),
         "measured": _step_peak(model, data, big),
     }
     if tokens:
@@ -466,7 +465,18 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         result = self._result(name)
         self.assertIsNotNone(result["measured"], msg=f"{name}: {result}")
         error = result["predicted"] / result["measured"] - 1
-        self.assertLess(abs(error), _TOLERANCE[name], msg=f"{name}: {result}")
+        # Below the prediction, by the tolerance; above it, by the
+        # tolerance and the room the estimate states for where the
+        # allocator places the largest tensor (`spare_bytes`: the BFC
+        # allocator hands out a free chunk of up to twice a request
+        # unsplit, so a peak counts up to one such tensor more).
+        slack = result["spare"] / result["measured"]
+        self.assertBetween(
+            error,
+            -_TOLERANCE[name] - slack,
+            _TOLERANCE[name],
+            msg=f"{name}: {result}",
+        )
 
     @parameterized.parameters(*_ARCHITECTURES)
     def test_max_batch_size_trains(self, name):

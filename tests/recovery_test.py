@@ -450,13 +450,9 @@ class _StateAtEpochEnd(keras.callbacks.Callback):
         self.values = [v.numpy() for v in self.variables]
 
 
-# The conv net's step above what was in use before it, under the cap
-# with oneDNN off (2 cores, idle and loaded): 33-70 MB for one or two
-# examples, 65-80 MB up to 128 rows, 150-190 MB at 512. Most of a small
-# step is TensorFlow's CPU convolution gradients' workspace, ~28 MiB per
-# kernel whatever the rows, two at once when the scheduler runs them side
-# by side. Leaving 120 MB, a batch of 512 always runs out and micro-batches
-# of up to 128 rows always fit.
+# Leaving 120 MB, a batch of 512 of the conv net always runs out and
+# micro-batches of up to 128 rows always fit (its step's memory at each
+# size: docs/memory-estimate.md, "Repeatability").
 _HELD_BATCH = 512
 _LEAVE_MB = 120
 
