@@ -134,7 +134,8 @@ def _fit_arguments(kind, x, y, batch_size, **extra):
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
         return dict(x=data, **extra)
     if kind == "py_dataset":
-        return dict(x=_Batches(x, y, batch_size), **extra)
+        # Keras from 3.16 shuffles a PyDataset's batches unless told not to.
+        return dict(x=_Batches(x, y, batch_size), shuffle=False, **extra)
     if kind == "generator":
         steps = -(-len(x) // batch_size)
         return dict(
