@@ -4,6 +4,7 @@ loudly, before it changes what tfmemsafe does."""
 
 import contextlib
 import importlib
+import warnings
 from unittest import mock
 
 import keras
@@ -242,15 +243,21 @@ class FallbackTest(tf.test.TestCase):
             self.assertAllClose(with_it, without)
 
     def test_a_missing_worker_count_counts_the_cluster(self):
-        class Extended:
-            pass
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        count = strategy.extended._num_workers
+        del strategy.extended._num_workers
+        try:
+            with self.assertWarnsRegex(RuntimeWarning, "_num_workers"):
+                self.assertEqual(_compat.num_workers(strategy), 1)
+        finally:
+            strategy.extended._num_workers = count
 
-        class Strategy:
-            extended = Extended()
-            cluster_resolver = None
-
-        with self.assertWarnsRegex(RuntimeWarning, "_num_workers"):
-            self.assertEqual(_compat.num_workers(Strategy()), 1)
+    def test_other_strategies_are_one_worker_without_a_warning(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.assertEqual(
+                _compat.num_workers(tf.distribute.get_strategy()), 1
+            )
 
     def test_a_missing_mask_reader_takes_every_output_as_masked(self):
         with (

@@ -793,7 +793,7 @@ class MirroredStrategyTest(tf.test.TestCase):
         # update".
         result = testing.run_in_subprocess(_mirrored_late_backward_oom)
         self.assertIsNone(result["error"])
-        self.assertLen(result["events"], 1)
+        self.assertNotEmpty(result["events"])
         self.assertEqual(result["iterations"], 1)
 
 
@@ -825,6 +825,7 @@ class _SecondReplicaRunsOutLate(keras.layers.Layer):
                 zero = tf.py_function(
                     check, [replica, tf.shape(x)[0]], tf.float32
                 )
+                zero.set_shape(())
                 return upstream + zero
 
             return tf.identity(x), backward

@@ -277,7 +277,8 @@ def onednn_enabled() -> bool:
             "oneDNN is reported from TF_ENABLE_ONEDNN_OPTS alone.",
             library=tf,
         )
-        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "") in ("1", "true")
+        setting = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower()
+        return setting in ("1", "true")
     return bool(read())
 
 
@@ -332,10 +333,13 @@ def num_workers(strategy) -> int:
     multi-worker one). TensorFlow says so publicly only through a cluster
     resolver's spec, which a strategy made without one lacks. Checked:
     `extended._num_workers`; gone: the cluster resolver's workers."""
+    import tensorflow as tf
+
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return 1
     count = getattr(strategy.extended, "_num_workers", None)
     if count is not None:
         return int(count)
-    import tensorflow as tf
 
     _moved(
         "Strategy.extended._num_workers",

@@ -28,7 +28,7 @@ def checkpoint(function, args, recompute):
         if paused is not None:
             with paused:
                 results = function(*inputs)
-        else:
+        else:  # Kept as usual (also where tapes cannot be paused).
             recording = tf.GradientTape(persistent=True)
             with recording:
                 recording.watch(inputs)
@@ -37,7 +37,7 @@ def checkpoint(function, args, recompute):
         def backward(*output_gradients, variables=None):
             variables = list(variables or [])
             sources = list(inputs)
-            if recompute:
+            if paused is not None:
                 if not tf.executing_eagerly():
                     sources = _after(output_gradients[0], sources)
                 with tf.GradientTape() as tape:
