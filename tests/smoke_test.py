@@ -54,20 +54,8 @@ def _weights_after_fit(model, **kwargs):
 def _capped_recovery():
     """A batch of 1024 images that runs out under a 300 MB cap, in
     `model.fit` with `SplitBatchOnOOM`."""
-    x, y = testing.random_images(1024)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    x, y = testing.random_images(1024, classes=4)
+    model = testing.reference_model("conv_net", (32, 32, 3), metrics=None)
     split = tfmemsafe.SplitBatchOnOOM()
     # One element, the whole batch: its iterator hands it out uncopied
     # (a row by row copy's allocation is unchecked, docs/oom-recovery.md).
