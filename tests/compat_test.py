@@ -163,6 +163,14 @@ class PrivateNamesTest(tf.test.TestCase):
 
         self.assertTrue(callable(context.context().report_error_to_cluster))
 
+    def test_cross_replica_calls_once_with_the_strategy(self):
+        self.assertTrue(
+            callable(tf.__internal__.distribute.interim.maybe_merge_call)
+        )
+        calls = []
+        self.assertEqual(_compat.cross_replica(calls.append), None)
+        self.assertEqual(calls, [tf.distribute.get_strategy()])
+
 
 class FallbackTest(tf.test.TestCase):
     """Where a name is gone, a warning, and the reading that refuses."""
@@ -258,6 +266,16 @@ class FallbackTest(tf.test.TestCase):
             self.assertEqual(
                 _compat.num_workers(tf.distribute.get_strategy()), 1
             )
+
+    def test_without_maybe_merge_call_each_replica_calls(self):
+        interim = tf.__internal__.distribute.interim
+        calls = []
+        with (
+            _without(interim.__name__, "maybe_merge_call"),
+            self.assertWarnsRegex(RuntimeWarning, "maybe_merge_call"),
+        ):
+            _compat.cross_replica(calls.append)
+        self.assertEqual(calls, [tf.distribute.get_strategy()])
 
     def test_a_missing_mask_reader_takes_every_output_as_masked(self):
         with (

@@ -372,3 +372,31 @@ def report_error_to_cluster(code, message: str) -> None:
         )
         return
     report(code, message)
+
+
+def cross_replica(function):
+    """`function(strategy)` once for every replica of this worker, in a
+    `merge_call`, which TensorFlow orders after the control dependencies
+    open in each replica; or, where the strategy's step makes no
+    `merge_call` (XLA on GPUs only), in each replica, as Keras' optimizer
+    updates are. The public `ReplicaContext.merge_call` raises there.
+    Checked: `tf.__internal__.distribute.interim.maybe_merge_call`, which
+    Keras' optimizer uses; gone: in each replica (a marker set there says
+    less than it could, never more)."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    interim = getattr(
+        getattr(getattr(tf, "__internal__", None), "distribute", None),
+        "interim",
+        None,
+    )
+    call = getattr(interim, "maybe_merge_call", None)
+    if call is None:
+        _moved(
+            "tf.__internal__.distribute.interim.maybe_merge_call",
+            "a step-guard marker is set by each replica on its own.",
+            library=tf,
+        )
+        return function(strategy)
+    return call(function, strategy)

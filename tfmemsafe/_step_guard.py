@@ -146,16 +146,14 @@ class StepGuard:
         with its own gradients, and one that finishes first must not mark
         the step while another still runs out of memory in its backward
         pass: nothing is updated before every replica's gradients are
-        reduced. So there the marker is set once, in a `merge_call`, which
-        TensorFlow orders after the control dependencies open in every
-        replica (`mirrored_run`'s merged `captured_control_deps`).
+        reduced. So there the marker is set once for this worker's
+        replicas, after all of their gradients (`_compat.cross_replica`).
+        Other workers' errors are agreed on before the update
+        (`AgreedStep`).
         """
-        if not tf.distribute.has_strategy():
+        if tf.distribute.in_cross_replica_context():
             return self._touched.assign(True, read_value=False)
-        context = tf.distribute.get_replica_context()
-        if context is None:  # Cross-replica: one caller already.
-            return self._touched.assign(True, read_value=False)
-        return context.merge_call(
+        return _compat.cross_replica(
             lambda _: self._touched.assign(True, read_value=False)
         )
 
