@@ -502,7 +502,7 @@ def _batches(sizes, seed=1):
 
 
 class UpdateSizeTest(parameterized.TestCase, tf.test.TestCase):
-    """Windows that close at a number of samples or tokens (issue #23)."""
+    """Windows that close at a number of samples or tokens."""
 
     def _models(self, **kwargs):
         reference = _functional()

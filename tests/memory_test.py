@@ -94,8 +94,9 @@ def _shape_proto(*sizes):
     return f"tensor_shape {{\n{dims}}}\n"
 
 
-# The InvalidArgumentError of issue #16 (ConstantOp -> MakeTensorFromProto
-# in tensorflow/core/common_runtime/threadpool_device.cc).
+# The InvalidArgumentError an allocation failure in a constant's creation
+# raises (ConstantOp -> MakeTensorFromProto in
+# tensorflow/core/common_runtime/threadpool_device.cc).
 _TMP_VAR_ZEROS = (
     "Graph execution error:\n\nDetected at node "
     "StatefulPartitionedCall/AddN_1/tmp_var_zeros defined at (most recent "
@@ -596,7 +597,7 @@ def _residual_net(filters=32):
 
 
 def residual_net_under_cap():
-    """Issue #16: the batch's AddN zeros fail to allocate as a "parse" error.
+    """The batch's AddN zeros fail to allocate as a "parse" error.
 
     Grappler rewrites the gradient's AddN at a residual join into a
     temporary variable initialised from a constant of the whole batch's

@@ -6,7 +6,7 @@ out of memory during backpropagation, the last layer's optimizer update
 (its gradients come first) may already have run, and the optimizer's
 `iterations.assign_add(1)`, which needs no gradient at all, may have run
 even when no data came (Keras' extra call at the end of a dataset of
-unknown length: issue #16.1). Metric updates and BatchNormalization's
+unknown length). Metric updates and BatchNormalization's
 moving statistics run in the forward pass, before any gradient.
 
 `StepGuard`, installed for one `tfmemsafe.fit` call (and for the probes
