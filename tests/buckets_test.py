@@ -635,7 +635,7 @@ class MemoryBucketsTest(tf.test.TestCase):
             self.assertGreater(estimate.peak_bytes(size + 8, length), usable)
 
     def test_a_measured_batch_that_runs_out_counts_as_the_limit(self):
-        from tfmemsafe.data import _buckets
+        from tfmemsafe.data import _plan
 
         sizes = []
 
@@ -659,12 +659,10 @@ class MemoryBucketsTest(tf.test.TestCase):
         estimate = _estimate()
         batches = [(8, 16), (4, 32), (2, 64), (1, 128)]
         with (
-            mock.patch.object(_buckets.estimate_lib, "Probe", Probe),
-            mock.patch.object(
-                _buckets.estimate_lib, "resized_arguments", resized
-            ),
+            mock.patch.object(_plan.estimate_lib, "Probe", Probe),
+            mock.patch.object(_plan.estimate_lib, "resized_arguments", resized),
         ):
-            measured = _buckets._measured(self.model, None, estimate, batches)
+            measured = _plan._measured(self.model, None, estimate, batches)
         # The steps went on with the bucket after the one that ran out.
         self.assertEqual(sizes, [8, 1])
         self.assertEqual(
