@@ -202,9 +202,12 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
 
     def _sample_count(self, batch_size, sample_weight):
         """A micro-batch's weight: what the loss divides its sum by."""
-        losses = getattr(self._compile_loss, "_flat_losses", None) or []
+        # `compile`'s own losses; a name ("mse") averages, as Keras' do.
+        losses = tf.nest.flatten(self.loss) if self.loss is not None else []
         reductions = {
-            getattr(entry.loss, "reduction", None) for entry in losses
+            getattr(loss, "reduction", "sum_over_batch_size")
+            for loss in losses
+            if loss is not None
         }
         if "sum" in reductions:
             logging.warning(
