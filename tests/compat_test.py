@@ -11,7 +11,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import AccumulatingModel
 from tfmemsafe import _compat
+from tfmemsafe import with_gradient_accumulation
 
 
 def _nested():
@@ -171,6 +173,32 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertEqual(_compat.cross_replica(calls.append), None)
         self.assertEqual(calls, [tf.distribute.get_strategy()])
 
+    def test_functional_class_is_that_of_a_model_of_inputs_and_outputs(self):
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+        self.assertIs(type(model), _compat.functional_class())
+
+    def test_a_name_saved_under_is_not_loaded_back_as_the_class(self):
+        class Variant(keras.layers.Layer):
+            pass
+
+        _compat.save_under_name(Variant, "tests>Registered")
+        self.assertEqual(
+            keras.saving.get_registered_name(Variant), "tests>Registered"
+        )
+        self.assertIsNone(
+            keras.saving.get_registered_object("tests>Registered")
+        )
+
+    def test_keras_default_marks_a_method_keras_may_replace(self):
+        from keras.src.utils import python_utils
+
+        def get_config(self):
+            return {}
+
+        marked = _compat.keras_default(get_config)
+        self.assertTrue(python_utils.is_default(marked))
+
 
 class FallbackTest(tf.test.TestCase):
     """Where a name is gone, a warning, and the reading that refuses."""
@@ -276,6 +304,48 @@ class FallbackTest(tf.test.TestCase):
         ):
             _compat.cross_replica(calls.append)
         self.assertEqual(calls, [tf.distribute.get_strategy()])
+
+    def test_without_the_functional_class_it_says_what_to_use_instead(self):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(2)(inputs)
+        with (
+            _without("keras.src.models.functional", "Functional"),
+            self.assertWarnsRegex(RuntimeWarning, "Functional"),
+            self.assertRaisesRegex(
+                NotImplementedError, "with_gradient_accumulation"
+            ),
+        ):
+            AccumulatingModel(inputs, outputs, accumulation_steps=2)
+        # The way it names still works there: the model is wrapped.
+        model = keras.Model(inputs, outputs)
+        with _without("keras.src.models.functional", "Functional"):
+            wrapped = with_gradient_accumulation(model, 2)
+        self.assertEqual(wrapped.accumulation_steps, 2)
+
+    def test_without_the_custom_names_a_variant_keeps_its_own_name(self):
+        class Variant(keras.layers.Layer):
+            pass
+
+        with (
+            _without(
+                "keras.src.saving.object_registration", "GLOBAL_CUSTOM_NAMES"
+            ),
+            self.assertWarnsRegex(RuntimeWarning, "custom_objects"),
+        ):
+            _compat.save_under_name(Variant, "tests>Other")
+        self.assertNotEqual(
+            keras.saving.get_registered_name(Variant), "tests>Other"
+        )
+
+    def test_without_the_default_marker_the_method_is_unmarked(self):
+        def get_config(self):
+            return {}
+
+        with (
+            _without("keras.src.utils.python_utils", "default"),
+            self.assertWarnsRegex(RuntimeWarning, "python_utils.default"),
+        ):
+            self.assertIs(_compat.keras_default(get_config), get_config)
 
     def test_a_missing_mask_reader_takes_every_output_as_masked(self):
         with (

@@ -400,3 +400,65 @@ def cross_replica(function):
         )
         return function(strategy)
     return call(function, strategy)
+
+
+# Keras' own, for `AccumulatingModel` built as `Model(inputs, outputs)`
+# and its config.
+
+
+def functional_class():
+    """The class of functional models. `keras.Model(inputs, outputs)`
+    returns one, but Keras does not export the class, and a subclass
+    built functionally must mix it in (as `keras.Model.__new__` does) and
+    be told apart from one that is not. Checked:
+    `keras.src.models.functional.Functional`; gone: `None`, and an
+    `AccumulatingModel` cannot be built functionally (it says so)."""
+    try:
+        module = importlib.import_module("keras.src.models.functional")
+        return module.Functional
+    except (ImportError, AttributeError):
+        _moved(
+            "keras.src.models.functional.Functional",
+            "an AccumulatingModel cannot be built as Model(inputs, outputs).",
+        )
+        return None
+
+
+def save_under_name(cls, name: str) -> None:
+    """Makes Keras save objects of `cls` under the registered `name`,
+    without loading that name back as `cls`. The public
+    `keras.saving.register_keras_serializable` maps both ways, which
+    would make loading build `cls` instead of the registered class.
+    Checked: `keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES`;
+    gone: saved under its own name, so loading needs it in
+    `custom_objects` (said in the warning)."""
+    try:
+        module = importlib.import_module("keras.src.saving.object_registration")
+        names = module.GLOBAL_CUSTOM_NAMES
+    except (ImportError, AttributeError):
+        _moved(
+            "keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES",
+            f"a functional {cls.__name__} is saved under its own name, and "
+            "loading it needs `custom_objects`.",
+        )
+        return
+    names[cls] = name
+
+
+def keras_default(method):
+    """`method` marked as Keras marks a method it may replace with its
+    own (its automatic `get_config`, the `__init__` arguments, kept when
+    a subclass overrides the method). Checked:
+    `keras.src.utils.python_utils.default`; gone: unmarked (said in a
+    warning), so Keras takes the override as the whole config."""
+    try:
+        module = importlib.import_module("keras.src.utils.python_utils")
+        mark = module.default
+    except (ImportError, AttributeError):
+        _moved(
+            "keras.src.utils.python_utils.default",
+            "a subclass's own `__init__` arguments may be left out of its "
+            "config.",
+        )
+        return method
+    return mark(method)

@@ -13,17 +13,7 @@ import inspect
 
 import keras
 
-# Keras 3.15 has no public equivalent of these:
-# - `Functional`, the class of functional models: `keras.Model(inputs,
-#   outputs)` returns one, but the class itself is not exported, and a
-#   subclass built functionally must mix it in (as `keras.Model.__new__`
-#   does) and be told apart from one that is not.
-# - `object_registration.GLOBAL_CUSTOM_NAMES`: the public
-#   `keras.saving.register_keras_serializable` also maps the name back to
-#   the class, which would make loading build the functional variant
-#   instead of the registered class; only the class-to-name half is wanted.
-from keras.src.models.functional import Functional
-from keras.src.saving import object_registration
+from tfmemsafe import _compat
 
 
 def _functional_arguments(args, kwargs) -> bool:
@@ -44,7 +34,17 @@ def builds_functionally(cls, args, kwargs) -> bool:
     its own is built by its `__init__`, as with `keras.Model`:
     `GAN(generator, discriminator)` is not `Model(inputs, outputs)`.
     """
-    if issubclass(cls, Functional) or not _functional_arguments(args, kwargs):
+    if not _functional_arguments(args, kwargs):
+        return False
+    functional = _compat.functional_class()
+    if functional is None:
+        raise NotImplementedError(
+            f"This Keras has no functional model class to build a "
+            f"{cls.__name__} as Model(inputs, outputs) with. Instead, build "
+            "keras.Model(inputs, outputs) and pass it to "
+            "tfmemsafe.with_gradient_accumulation(model, accumulation_steps)."
+        )
+    if issubclass(cls, functional):
         return False
     # `AccumulatingModel.__init__` itself takes `*args, **kwargs`.
     spec = inspect.getfullargspec(cls.__init__)
@@ -60,7 +60,7 @@ def functional_variant(cls):
     """
     variant = type(
         cls.__name__,
-        (cls, Functional),
+        (cls, _compat.functional_class()),
         {
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
@@ -68,7 +68,5 @@ def functional_variant(cls):
         },
     )
     # Saved under the name of `cls`, so loading rebuilds it through `cls`.
-    object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
-        keras.saving.get_registered_name(cls)
-    )
+    _compat.save_under_name(variant, keras.saving.get_registered_name(cls))
     return variant

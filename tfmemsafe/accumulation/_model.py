@@ -15,12 +15,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-# Keras 3.15 has no public equivalent of `python_utils.default`, the
-# marker with which Keras keeps a subclass's automatic `get_config` (its
-# `__init__` arguments) when the method is overridden.
-from keras.src.utils import python_utils
-
 from tfmemsafe import _checks
+from tfmemsafe import _compat
 from tfmemsafe.accumulation import _fit_callbacks
 from tfmemsafe.accumulation import _functional
 from tfmemsafe.accumulation._accumulator import GradientAccumulator
@@ -334,7 +330,7 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
                 )
                 accumulator.reset()
 
-    @python_utils.default
+    @_compat.keras_default
     def get_config(self):
         config = super().get_config()
         init = inspect.signature(type(self).__init__).parameters

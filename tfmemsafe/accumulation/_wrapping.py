@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import keras
 
-# `Functional`, the class of functional models, is not exported by Keras
-# 3.15 (see `_functional.py`).
-from keras.src.models.functional import Functional
-
 from tfmemsafe import _checks
+from tfmemsafe import _compat
 from tfmemsafe.accumulation._model import AccumulatingModel
 
 
@@ -118,7 +115,8 @@ def with_gradient_accumulation(
     accumulation_steps = _checks.integer(
         "accumulation_steps", accumulation_steps
     )
-    if isinstance(model, Functional):
+    functional = _compat.functional_class()
+    if functional is not None and isinstance(model, functional):
         result = AccumulatingModel(
             model.input,
             model.output,
