@@ -413,15 +413,11 @@ def functional_class():
     be told apart from one that is not. Checked:
     `keras.src.models.functional.Functional`; gone: `None`, and an
     `AccumulatingModel` cannot be built functionally (it says so)."""
-    try:
-        module = importlib.import_module("keras.src.models.functional")
-        return module.Functional
-    except (ImportError, AttributeError):
-        _moved(
-            "keras.src.models.functional.Functional",
-            "an AccumulatingModel cannot be built as Model(inputs, outputs).",
-        )
-        return None
+    return _from(
+        "keras.src.models.functional",
+        "Functional",
+        "an AccumulatingModel cannot be built as Model(inputs, outputs).",
+    )
 
 
 def save_under_name(cls, name: str) -> None:
@@ -432,17 +428,14 @@ def save_under_name(cls, name: str) -> None:
     Checked: `keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES`;
     gone: saved under its own name, so loading needs it in
     `custom_objects` (said in the warning)."""
-    try:
-        module = importlib.import_module("keras.src.saving.object_registration")
-        names = module.GLOBAL_CUSTOM_NAMES
-    except (ImportError, AttributeError):
-        _moved(
-            "keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES",
-            f"a functional {cls.__name__} is saved under its own name, and "
-            "loading it needs `custom_objects`.",
-        )
-        return
-    names[cls] = name
+    names = _from(
+        "keras.src.saving.object_registration",
+        "GLOBAL_CUSTOM_NAMES",
+        f"a functional {cls.__name__} is saved under its own name, and "
+        "loading it needs `custom_objects`.",
+    )
+    if names is not None:
+        names[cls] = name
 
 
 def keras_default(method):
@@ -451,14 +444,18 @@ def keras_default(method):
     a subclass overrides the method). Checked:
     `keras.src.utils.python_utils.default`; gone: unmarked (said in a
     warning), so Keras takes the override as the whole config."""
+    mark = _from(
+        "keras.src.utils.python_utils",
+        "default",
+        "a subclass's own `__init__` arguments may be left out of its config.",
+    )
+    return method if mark is None else mark(method)
+
+
+def _from(module: str, name: str, consequence: str):
+    """Keras' `module.name`, or `None` after a warning that it moved."""
     try:
-        module = importlib.import_module("keras.src.utils.python_utils")
-        mark = module.default
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        _moved(
-            "keras.src.utils.python_utils.default",
-            "a subclass's own `__init__` arguments may be left out of its "
-            "config.",
-        )
-        return method
-    return mark(method)
+        _moved(f"{module}.{name}", consequence)
+        return None
