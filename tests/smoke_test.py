@@ -52,7 +52,7 @@ def _weights_after_fit(model, **kwargs):
 
 
 def _capped_recovery():
-    """A batch of 1024 images that runs out under a 300 MB cap, in
+    """A batch of 1024 images that runs out under a 200 MB cap, in
     `model.fit` with `SplitBatchOnOOM`."""
     x, y = testing.random_images(1024, classes=4)
     model = testing.reference_model("conv_net", (32, 32, 3), metrics=None)
@@ -160,7 +160,7 @@ class SmokeTest(tf.test.TestCase):
         self.assertEqual(model.output_shape[-1], 3)
 
     def test_a_real_out_of_memory_error_is_recovered(self):
-        result = testing.run_with_memory_cap(_capped_recovery, 300)
+        result = testing.run_with_memory_cap(_capped_recovery, 200)
         self.assertGreaterEqual(result["events"], 1)
         # The batch, split, made one update.
         self.assertEqual(result["iterations"], 1)
