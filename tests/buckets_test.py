@@ -181,7 +181,7 @@ def fit_auto_under_cap(hold, shuffled=False, epochs=2):
 
     On a CPU tf.data pads the next batch in the allocator the step runs
     out of: a step that runs out fills it first, and a padding made in
-    that instant runs out too, at random (two CI runs of four). Then the
+    that instant runs out too, at random. Then the
     run stops with the pipeline's error, as documented, and this returns
     it as `pipeline_error`."""
     data, _ = _sequences()

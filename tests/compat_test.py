@@ -166,8 +166,11 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertTrue(callable(context.context().report_error_to_cluster))
 
     def test_cross_replica_calls_once_with_the_strategy(self):
-        self.assertTrue(
-            callable(tf.__internal__.distribute.interim.maybe_merge_call)
+        from tensorflow.python.distribute import merge_call_interim
+
+        self.assertIs(
+            merge_call_interim.maybe_merge_call,
+            tf.__internal__.distribute.interim.maybe_merge_call,
         )
         calls = []
         self.assertEqual(_compat.cross_replica(calls.append), None)
@@ -296,10 +299,12 @@ class FallbackTest(tf.test.TestCase):
             )
 
     def test_without_maybe_merge_call_each_replica_calls(self):
-        interim = tf.__internal__.distribute.interim
         calls = []
         with (
-            _without(interim.__name__, "maybe_merge_call"),
+            _without(
+                "tensorflow.python.distribute.merge_call_interim",
+                "maybe_merge_call",
+            ),
             self.assertWarnsRegex(RuntimeWarning, "maybe_merge_call"),
         ):
             _compat.cross_replica(calls.append)

@@ -22,15 +22,16 @@ import keras
 _warned = set()
 
 
-def _moved(name: str, consequence: str, library=keras) -> None:
-    """Warns once that `library` (Keras, or TensorFlow) moved `name`, and
-    what follows."""
+def _moved(name: str, consequence: str, library: str = "keras") -> None:
+    """Warns once that `library` (`"keras"` or `"tensorflow"`) moved
+    `name`, and what follows."""
     if name in _warned:
         return
     _warned.add(name)
-    title = "Keras" if library is keras else "TensorFlow"
+    title = "Keras" if library == "keras" else "TensorFlow"
+    version = importlib.import_module(library).__version__
     warnings.warn(
-        f"This {title} ({library.__version__}) has no `{name}`, which "
+        f"This {title} ({version}) has no `{name}`, which "
         f"tfmemsafe reads: {consequence} Please report it with your "
         f"{title} version.",
         RuntimeWarning,
@@ -168,16 +169,20 @@ def in_multi_worker_mode(strategy) -> bool:
     read = getattr(strategy.extended, "_in_multi_worker_mode", None)
     if read is not None:
         return bool(read())
-    import tensorflow as tf
-
     _moved(
         "MultiWorkerMirroredStrategy.extended._in_multi_worker_mode",
         "the cluster resolver's workers are counted instead.",
-        library=tf,
+        library="tensorflow",
     )
+    return _resolver_workers(strategy) > 1
+
+
+def _resolver_workers(strategy) -> int:
+    """The workers and chief in a strategy's cluster resolver's spec (0
+    without one)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    return len(spec.get("worker", [])) + len(spec.get("chief", [])) > 1
+    return len(spec.get("worker", [])) + len(spec.get("chief", []))
 
 
 # Keras' scopes and random state, read by `Checkpointed`. Keras exports
@@ -263,20 +268,15 @@ def onednn_enabled() -> bool:
     unset, the CPU's features. Checked:
     `tensorflow.python.util._pywrap_util_port.IsMklEnabled`; gone: the
     environment variable alone (reported, not acted on)."""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-
-        read = _pywrap_util_port.IsMklEnabled
-    except (ImportError, AttributeError):
+    read = _from(
+        "tensorflow.python.util._pywrap_util_port",
+        "IsMklEnabled",
+        "oneDNN is reported from TF_ENABLE_ONEDNN_OPTS alone.",
+        library="tensorflow",
+    )
+    if read is None:
         import os
 
-        import tensorflow as tf
-
-        _moved(
-            "tensorflow.python.util._pywrap_util_port.IsMklEnabled",
-            "oneDNN is reported from TF_ENABLE_ONEDNN_OPTS alone.",
-            library=tf,
-        )
         setting = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower()
         return setting in ("1", "true")
     return bool(read())
@@ -296,12 +296,10 @@ def eager_context_started() -> bool:
         return False  # Not made yet.
     started = getattr(current, "_initialized", None)
     if started is None:
-        import tensorflow as tf
-
         _moved(
             "tensorflow.python.eager.context.context_safe()._initialized",
             "TensorFlow is taken to have started.",
-            library=tf,
+            library="tensorflow",
         )
         return True
     return bool(started)
@@ -312,20 +310,13 @@ def stop_recording():
     pauses them; `None` where TensorFlow moved it. (`GradientTape.
     stop_recording` pauses one tape, not the ones Keras' step holds.)
     Checked: `tensorflow.python.eager.record.stop_recording`."""
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:
-        record = None
-    if not hasattr(record, "stop_recording"):
-        import tensorflow as tf
-
-        _moved(
-            "tensorflow.python.eager.record.stop_recording",
-            "`Checkpointed` layers keep their activations.",
-            library=tf,
-        )
-        return None
-    return record.stop_recording()
+    stop = _from(
+        "tensorflow.python.eager.record",
+        "stop_recording",
+        "`Checkpointed` layers keep their activations.",
+        library="tensorflow",
+    )
+    return None if stop is None else stop()
 
 
 def num_workers(strategy) -> int:
@@ -340,15 +331,12 @@ def num_workers(strategy) -> int:
     count = getattr(strategy.extended, "_num_workers", None)
     if count is not None:
         return int(count)
-
     _moved(
         "Strategy.extended._num_workers",
         "the cluster resolver's workers are counted instead.",
-        library=tf,
+        library="tensorflow",
     )
-    resolver = getattr(strategy, "cluster_resolver", None)
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+    return max(1, _resolver_workers(strategy))
 
 
 def report_error_to_cluster(code, message: str) -> None:
@@ -363,12 +351,10 @@ def report_error_to_cluster(code, message: str) -> None:
 
     report = getattr(context.context(), "report_error_to_cluster", None)
     if report is None:
-        import tensorflow as tf
-
         _moved(
             "tensorflow.python.eager.context.context().report_error_to_cluster",
             "the other workers learn of the error from missing heartbeats.",
-            library=tf,
+            library="tensorflow",
         )
         return
     report(code, message)
@@ -380,24 +366,21 @@ def cross_replica(function):
     open in each replica; or, where the strategy's step makes no
     `merge_call` (XLA on GPUs only), in each replica, as Keras' optimizer
     updates are. The public `ReplicaContext.merge_call` raises there.
-    Checked: `tf.__internal__.distribute.interim.maybe_merge_call`, which
-    Keras' optimizer uses; gone: in each replica (a marker set there says
-    less than it could, never more)."""
+    Checked:
+    `tensorflow.python.distribute.merge_call_interim.maybe_merge_call`
+    (`tf.__internal__.distribute.interim`), which Keras' optimizer uses;
+    gone: in each replica (a marker set there says less than it could,
+    never more)."""
     import tensorflow as tf
 
     strategy = tf.distribute.get_strategy()
-    interim = getattr(
-        getattr(getattr(tf, "__internal__", None), "distribute", None),
-        "interim",
-        None,
+    call = _from(
+        "tensorflow.python.distribute.merge_call_interim",
+        "maybe_merge_call",
+        "a step-guard marker is set by each replica on its own.",
+        library="tensorflow",
     )
-    call = getattr(interim, "maybe_merge_call", None)
     if call is None:
-        _moved(
-            "tf.__internal__.distribute.interim.maybe_merge_call",
-            "a step-guard marker is set by each replica on its own.",
-            library=tf,
-        )
         return function(strategy)
     return call(function, strategy)
 
@@ -452,10 +435,10 @@ def keras_default(method):
     return method if mark is None else mark(method)
 
 
-def _from(module: str, name: str, consequence: str):
-    """Keras' `module.name`, or `None` after a warning that it moved."""
+def _from(module: str, name: str, consequence: str, library: str = "keras"):
+    """`module.name`, or `None` after a warning that `library` moved it."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        _moved(f"{module}.{name}", consequence)
+        _moved(f"{module}.{name}", consequence, library=library)
         return None
