@@ -176,6 +176,28 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertEqual(_compat.cross_replica(calls.append), None)
         self.assertEqual(calls, [tf.distribute.get_strategy()])
 
+    def test_custom_gradients_traced_inside_are_recorded_and_forgotten(self):
+        from tensorflow.python.framework import ops
+
+        @tf.custom_gradient
+        def doubled(x):
+            return 2 * x, lambda dy: 2 * dy
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = doubled(x)
+            return tape.gradient(y, x)
+
+        names = []
+        with _compat.recording_custom_gradients(names):
+            self.assertEqual(float(step(tf.constant(1.0))), 2.0)
+        self.assertLen(names, 1)
+        self.assertIn(names[0], ops._gradient_registry._registry)  # noqa: SLF001
+        _compat.forget_custom_gradients(names)
+        self.assertEmpty(names)
+
     def test_functional_class_is_that_of_a_model_of_inputs_and_outputs(self):
         inputs = keras.Input((3,))
         model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
@@ -309,6 +331,16 @@ class FallbackTest(tf.test.TestCase):
         ):
             _compat.cross_replica(calls.append)
         self.assertEqual(calls, [tf.distribute.get_strategy()])
+
+    def test_without_the_gradient_registry_nothing_is_recorded(self):
+        names = []
+        with (
+            _without("tensorflow.python.framework.ops", "_gradient_registry"),
+            self.assertWarnsRegex(RuntimeWarning, "_gradient_registry"),
+            _compat.recording_custom_gradients(names),
+        ):
+            pass
+        self.assertEmpty(names)
 
     def test_without_the_functional_class_it_says_what_to_use_instead(self):
         inputs = keras.Input((3,))

@@ -9,6 +9,7 @@ in child processes.
 
 import concurrent.futures
 import csv
+import gc
 import os
 import tempfile
 import time
@@ -611,6 +612,39 @@ class InstallTest(tf.test.TestCase):
             callbacks=[tfmemsafe.SplitBatchOnOOM()],
         )
         self.assertLen(history.history["loss"], 1)
+
+    def test_a_run_that_split_frees_its_gradient_sums(self):
+        x, y = _features()
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                _models.RunsOutAbove(20),
+                keras.layers.Dense(512),
+                keras.layers.Dense(512),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile("adam", "mse")
+        y = np.zeros((_ROWS, 3))
+        model.fit(x, y, batch_size=16, verbose=0)  # Builds the optimizer.
+        in_use = []
+        for _ in range(3):
+            model.fit(
+                x,
+                y,
+                batch_size=64,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM()],
+            )
+            gc.collect()
+            in_use.append(tfmemsafe.memory_info("CPU:0").current_bytes)
+        gradient_bytes = sum(
+            int(np.prod(v.shape)) * 4 for v in model.trainable_variables
+        )
+        # A run that kept its sums would hold one more gradient each time
+        # (TensorFlow keeps every graph of `ReplicaContext.all_reduce`).
+        self.assertLess(in_use[2] - in_use[0], gradient_bytes)
 
 
 class RefusedTest(parameterized.TestCase, tf.test.TestCase):

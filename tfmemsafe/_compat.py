@@ -13,6 +13,7 @@ moves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import warnings
@@ -383,6 +384,65 @@ def cross_replica(function):
     if call is None:
         return function(strategy)
     return call(function, strategy)
+
+
+@contextlib.contextmanager
+def recording_custom_gradients(names: list):
+    """A context that adds to `names` the gradient functions that
+    `tf.custom_gradient` registers for graphs traced inside it.
+
+    TensorFlow registers one per call traced in a graph and never drops
+    it; it holds the traced graph, and the graph holds every variable it
+    captured (Keras' optimizer makes one in each `apply`, through
+    `ReplicaContext.all_reduce`). Dropped by `forget_custom_gradients`
+    once the graph is no longer run, its variables are freed with their
+    last reference. No public API lists or drops them. Checked:
+    `tensorflow.python.framework.ops._gradient_registry._registry`, names
+    `"CustomGradient-<uid>"` (TensorFlow 2.21); gone: nothing is recorded
+    (said in a warning), and what those graphs captured stays allocated.
+    """
+    registry = _gradient_registry()
+    before = None if registry is None else set(registry)
+    try:
+        yield
+    finally:
+        if registry is not None:
+            names.extend(
+                name
+                for name in registry
+                if name not in before and name.startswith("CustomGradient-")
+            )
+
+
+def forget_custom_gradients(names: list) -> None:
+    """Drops the gradient functions `recording_custom_gradients` recorded
+    (their graphs must not be differentiated again), and empties
+    `names`."""
+    registry = _gradient_registry()
+    for name in names:
+        if registry is not None:
+            registry.pop(name, None)
+    names.clear()
+
+
+def _gradient_registry():
+    ops = _from(
+        "tensorflow.python.framework.ops",
+        "_gradient_registry",
+        "the gradient sums of every split stay allocated until the process "
+        "ends.",
+        library="tensorflow",
+    )
+    registry = getattr(ops, "_registry", None)
+    if ops is not None and not isinstance(registry, dict):
+        _moved(
+            "tensorflow.python.framework.ops._gradient_registry._registry",
+            "the gradient sums of every split stay allocated until the "
+            "process ends.",
+            library="tensorflow",
+        )
+        return None
+    return registry
 
 
 # Keras' own, for `AccumulatingModel` built as `Model(inputs, outputs)`

@@ -107,6 +107,10 @@ class HeldSteps:
         self._pieces = self._planned = 0
         self._steps = ModelSteps(model)
 
+    def close(self) -> None:
+        """Frees what the run's splits keep (their gradient sums)."""
+        self._split.release()
+
     # Keras' functions.
 
     def train(self, iterator):

@@ -213,6 +213,7 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         if self._held is not None:
             self.oom_events = self._held.record.oom_events
             self.grow_back_events = self._held.record.grow_back_events
+            self._held.close()
         if self._guard is not None:
             self._guard.close()
         self._held = self._guard = None

@@ -36,6 +36,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.recovery._agreed_step import agree
@@ -81,6 +82,9 @@ class SplitBatch:
         self._traced = threading.local()
         self._sparse_ids = []  # Whose those of the traced step's output are.
         self._workers = distribute.is_multi_worker(self.strategy)
+        # What TensorFlow registered for the graphs traced here, which
+        # holds them and what they capture (`release` drops it).
+        self._registered = []
 
     def begin(self, batch) -> None:
         """Opens the split of `batch` (a batch as Keras' step takes it, or
@@ -171,11 +175,12 @@ class SplitBatch:
         """
         piece = self._piece(bounds)
         with self.guard.deferring(update_name(self.model), self._defer):
-            if self._replicas == 1 and not self._pieces_traced:
-                # Traced for any rows, as Keras traces its own step.
-                self._step.get_concrete_function(_any_rows(piece))
-                self._pieces_traced = True
-            logs, parts = self._step(piece)
+            with _compat.recording_custom_gradients(self._registered):
+                if self._replicas == 1 and not self._pieces_traced:
+                    # Traced for any rows, as Keras traces its own step.
+                    self._step.get_concrete_function(_any_rows(piece))
+                    self._pieces_traced = True
+                logs, parts = self._step(piece)
         for key, part in zip(self._sparse_ids, parts, strict=True):
             self._sparse.setdefault(key, []).append(part)
         self._logs = logs
@@ -184,7 +189,8 @@ class SplitBatch:
     def finish(self) -> dict:
         """Makes the one update of the pieces trained, and returns the
         step's logs (the metrics after its last micro-batch)."""
-        self._update_function(self._sparse)
+        with _compat.recording_custom_gradients(self._registered):
+            self._update_function(self._sparse)
         logs = self._logs
         if self._replicas > 1:
             # Each replica's metrics are its own share's; read them
@@ -205,11 +211,13 @@ class SplitBatch:
         self._shares, self._sparse, self._logs = [], {}, None
 
     def release(self) -> None:
-        """Drops the sums and the compiled steps."""
+        """Drops the sums and the compiled steps, and what TensorFlow
+        keeps of the steps' graphs, so that the sums are freed."""
         self._sums, self._total, self._updates = {}, None, {}
         self._size = self._step = self._update_function = None
         self._zero = None
         self._dense = set()
+        _compat.forget_custom_gradients(self._registered)
 
     def on_every_worker(self, work):
         """`work()`'s result; under a multi-worker strategy, once every
