@@ -29,6 +29,8 @@ from tfmemsafe.memory import is_oom_error
 from tfmemsafe.memory import memory_info
 from tfmemsafe.memory import reset_peak_memory
 from tfmemsafe.monitor import MemoryMonitor
+from tfmemsafe.planning import MemoryPlan
+from tfmemsafe.planning import plan
 from tfmemsafe.recovery import evaluate
 from tfmemsafe.recovery import find_max_batch_size
 from tfmemsafe.recovery import fit
@@ -58,6 +60,7 @@ __all__ = [
     "MemoryEstimateError",
     "MemoryInfo",
     "MemoryMonitor",
+    "MemoryPlan",
     "OOMEvent",
     "OutOfMemoryError",
     "RuntimeConfig",
@@ -77,6 +80,7 @@ __all__ = [
     "fit_head",
     "is_oom_error",
     "memory_info",
+    "plan",
     "predict",
     "reset_peak_memory",
     "runtime_config",

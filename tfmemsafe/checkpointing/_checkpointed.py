@@ -120,10 +120,13 @@ class Checkpointed(keras.layers.Wrapper):
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
 
-    def compute_output_spec(self, inputs, training=None):
+    def compute_output_spec(self, inputs, training=None, mask=None):
         return self.layer.compute_output_spec(inputs)
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, mask=None):
+        # `mask` is accepted because Keras passes it (cloning a functional
+        # model passes `mask=None`); it is not propagated (class docstring).
+        del mask
         kwargs = {"training": training} if self._layer_takes_training else {}
         symbolic = _compat.in_symbolic_scope()
         if symbolic or _compat.in_stateless_scope():

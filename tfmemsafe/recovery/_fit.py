@@ -17,6 +17,7 @@ from tfmemsafe import _checks
 from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe import memory
+from tfmemsafe import planning
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._sources import source_for
 from tfmemsafe.history import FitHistory
@@ -62,6 +63,7 @@ def fit(
     memory_estimate: bool = True,
     grow_back_after: int | None = 100,
     split_batch_norm: bool = True,
+    plan=None,
 ) -> FitHistory:
     """Trains a compiled model as `model.fit` does, surviving running out
     of memory.
@@ -92,6 +94,10 @@ def fit(
       inputs vary in length, it batches by length buckets, each at the
       size the memory model predicts to fit (`tfmemsafe.data`), planned
       on the training and validation examples together.
+    - `plan="auto"` (or a `tfmemsafe.MemoryPlan`) trains the batch as the
+      planner chose by measurement: in micro-batches, with the model's
+      blocks recomputed, or as it is (`tfmemsafe.plan`). Batches that
+      still run out are split further, in the step, and logged.
     - The events of the run in one `FitHistory`.
 
     The same callback objects see one `model.fit`: each batch once, in
@@ -154,6 +160,12 @@ def fit(
             trains is split all the same (see `SplitBatchOnOOM`).
             Defaults to `True`: each micro-batch is normalized by its own
             statistics.
+        plan: `None`, `"auto"` or a `tfmemsafe.MemoryPlan`. `"auto"` plans
+            the batch now (`tfmemsafe.plan`, with no pre-flight check
+            after it); a plan made for this model and batch size is
+            followed as it is. Callbacks then see the model the plan
+            trains (`MemoryPlan.apply`), which shares every variable with
+            `model`. Defaults to `None`: no plan.
 
     Returns:
         A `tfmemsafe.FitHistory`: the `keras.callbacks.History` of the
@@ -194,6 +206,11 @@ def fit(
             "a batch that runs out is split into micro-batches of one "
             "update, so the batch is always kept."
         )
+    if plan is not None and batch_size == "auto":
+        raise ValueError(
+            "`plan` plans the batch size asked for; pass an integer "
+            "`batch_size`. Received: batch_size='auto'"
+        )
     if batch_size is not None and batch_size != "auto":
         batch_size = _checks.integer("batch_size", batch_size)
     if validation_batch_size is not None:
@@ -233,6 +250,17 @@ def fit(
         )
     data = x if y is None else (x, y)
     x, keras_batch_size, rows = keras_data(x, batch_size, strategy)
+    trained = model
+    if plan is not None:
+        plan = _planned(plan, model, data, batch_size, rows, verbose)
+        trained = plan.apply(model)
+        split.micro_batch_size = plan.micro_batch_size
+        preflight = False  # The plan measured its sizes.
+        logging.info(
+            "tfmemsafe.fit: batches of %d train as %s, as planned.",
+            rows,
+            plan.chosen.name,
+        )
     # The allocator laid out as the estimates measure it.
     memory.reserve_one_region()
     if (
@@ -252,8 +280,8 @@ def fit(
         shuffle = False  # Keras ignores it here, and warns at its default.
     # Without the batch Keras reads and drops under a strategy: see
     # docs/oom-recovery.md.
-    with without_sample_batch(model), chained_cause():
-        model.fit(
+    with without_sample_batch(trained), chained_cause():
+        trained.fit(
             x,
             y,
             batch_size=keras_batch_size,
@@ -275,6 +303,26 @@ def fit(
     history.grow_back_events.extend(split.grow_back_events)
     history.batch_size = rows
     return history
+
+
+def _planned(plan, model, data, batch_size, rows, verbose):
+    """The `MemoryPlan` to follow: `plan`, or made now for `"auto"`."""
+    if plan == "auto":
+        return planning.plan(
+            model, data, batch_size=rows, verbose=0 if verbose == 0 else 1
+        )
+    if not isinstance(plan, planning.MemoryPlan):
+        raise TypeError(
+            "`plan` must be None, 'auto' or a tfmemsafe.MemoryPlan. "
+            f"Received: plan={plan!r:.80}"
+        )
+    if plan.batch_size != rows:
+        raise ValueError(
+            f"`plan` was made for batches of {plan.batch_size}, and this "
+            f"fit trains batches of {rows}. Make the plan with "
+            f"batch_size={rows}."
+        )
+    return plan
 
 
 def _auto(model, x, y, validation_data, memory_estimate):

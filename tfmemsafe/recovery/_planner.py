@@ -135,6 +135,41 @@ class SizePlanner:
             why = _against_limit(made, _predicted_peak(made, start, source))
         return count, why
 
+    def peak_bytes(
+        self,
+        phase: str,
+        source,
+        batch_size: int,
+        *,
+        largest_probe: int,
+        limit,
+        beside: int = 0,
+    ) -> tuple[float | None, str]:
+        """The predicted peak of `phase`'s step at `batch_size`, beside
+        what something else holds now and `beside` bytes more, and what
+        predicted it.
+
+        The static bound when it fits `limit` (bytes, with
+        `memory.HEADROOM` left free), else the estimate (made now if not
+        yet, with probes no larger than `largest_probe`).
+
+        Returns:
+            `(peak, "static bound")`, `(peak, "estimate")`, or
+            `(None, why)` where neither can be known.
+        """
+        facts = self._facts_of(phase, source)
+        if self._under_bound(facts, source, batch_size):
+            bound = facts.bound.peak_bytes(batch_size, source) + beside
+            if memory.fits_within(bound, limit):
+                return bound, "static bound"
+        made = self.estimate(phase, source, largest_probe)
+        if made is None:
+            return None, self._refused.get(
+                self._key(phase, source), "no estimate"
+            )
+        peak = _predicted_peak(made, batch_size, source) + beside
+        return peak, "estimate"
+
     def max_batch_size(
         self, source, largest: int, multiple: int, headroom: float
     ) -> int | None:
@@ -269,6 +304,8 @@ class _StaticBound:
         limits = {d: memory.memory_info(d).limit_bytes for d in devices}
         if not all(limits.values()):
             return None
+        if not model.built:  # So that the optimizer is built for all.
+            model(source.sample_inputs(), training=False)
         if model.optimizer is not None and not model.optimizer.built:
             # Its slots are state too; `fit` would build it (zero state).
             with model.distribute_strategy.scope():
@@ -283,12 +320,20 @@ class _StaticBound:
         """Whether the bound at `batch_size` fits on every device, with
         `source`'s tensors (whether in memory yet or not) and what
         something else holds now."""
+        return all(
+            memory.fits_within(peak, self.limits[device])
+            for device, peak in self._peaks(batch_size, source)
+        )
+
+    def peak_bytes(self, batch_size: int, source) -> float:
+        """The highest bound of the devices, counted as `fits` counts it."""
+        return max(peak for _, peak in self._peaks(batch_size, source))
+
+    def _peaks(self, batch_size: int, source):
         per_replica = -(-batch_size // self.replicas)
         bound = self.fixed + self.per_sample * per_replica
-        for device, limit in self.limits.items():
+        for device in self.limits:
             data = estimate_lib.data_on(device, source)
             now = estimate_lib.data_held_on(device, source)
             held = estimate_lib.held_bytes(device, self.state_bytes + now)
-            if not memory.fits_within(bound + data + held, limit):
-                return False
-        return True
+            yield device, bound + data + held

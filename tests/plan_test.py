@@ -1,0 +1,275 @@
+"""Tests for `tfmemsafe.plan`, `MemoryPlan` and `tfmemsafe.fit(plan=...)`.
+
+The models are small residual networks of nested blocks (functional
+models inside a functional model, which `keras.RematScope(mode="full")`
+cannot train); a memory limit passed to `plan` stands in for a small
+device, and `RealCapTest` plans under a capped allocator in a child.
+"""
+
+import os
+
+# The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
+# be chosen before TensorFlow is imported.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
+
+import tfmemsafe  # noqa: E402
+from tfmemsafe import testing  # noqa: E402
+from tfmemsafe.planning import Candidate  # noqa: E402
+from tfmemsafe.planning import _plan  # noqa: E402
+
+_ROWS = 1024
+_BATCH = 512
+
+
+def _residual(width=64, blocks=4, seed=0):
+    """Dense blocks (nested functional models) with residual adds."""
+    keras.utils.set_random_seed(seed)
+
+    def block():
+        inputs = keras.Input((width,))
+        hidden = keras.layers.Dense(4 * width, activation="relu")(inputs)
+        hidden = keras.layers.Dense(width)(hidden)
+        return keras.Model(inputs, keras.layers.Add()([inputs, hidden]))
+
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(width)(inputs)
+    for _ in range(blocks):
+        x = block()(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    # SGD: Adam would turn the rounding of near-zero gradients into
+    # differences of its learning rate between equal updates.
+    model.compile(
+        keras.optimizers.SGD(0.1, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _data(rows=_ROWS):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 16)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
+
+
+def _state(model):
+    return [v.numpy() for v in model.variables + model.optimizer.variables]
+
+
+class PlanTest(parameterized.TestCase, tf.test.TestCase):
+    def test_the_model_is_left_as_found(self):
+        model = _residual()
+        x, y = _data()
+        model.fit(x, y, batch_size=256, verbose=0)
+        before = _state(model)
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        self.assertAllClose(_state(model), before, rtol=0, atol=0)
+        self.assertIsNotNone(plan.chosen.step_seconds)
+
+    def test_a_batch_predicted_not_to_fit_whole_is_planned_smaller(self):
+        model = _residual()
+        x, y = _data()
+        estimate = tfmemsafe.estimate_memory(model, (x, y))
+        # Midway between the whole batch's peak and a quarter's, so that
+        # the whole batch does not fit and a split of it does.
+        limit = int(
+            (estimate.peak_bytes(_BATCH) + estimate.peak_bytes(_BATCH // 4))
+            / 2
+            / 0.9
+        )
+        plan = tfmemsafe.plan(
+            model, x, y, batch_size=_BATCH, memory_limit=limit, verbose=0
+        )
+        whole = plan.candidates[0]
+        self.assertEqual((whole.micro_batches, whole.checkpointing), (1, False))
+        self.assertFalse(whole.fits, msg=str(plan))
+        self.assertEqual(whole.note, "predicted not to fit")
+        self.assertIsNone(whole.step_seconds)
+        self.assertIsNot(plan.chosen, whole)
+        self.assertTrue(plan.chosen.fits, msg=str(plan))
+        self.assertIsNotNone(plan.chosen.step_seconds)
+        self.assertEqual(plan.limit_bytes, limit)
+
+    @parameterized.named_parameters(
+        ("micro_batches", False), ("checkpointing", True)
+    )
+    def test_fit_with_a_plan_trains_as_keras_trains_the_whole_batch(
+        self, checkpointing
+    ):
+        x, y = _data()
+        reference = _residual()
+        reference.fit(x, y, batch_size=_BATCH, epochs=2, verbose=0)
+        model = _residual()
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        chosen = Candidate(4, _BATCH // 4, checkpointing)
+        plan.chosen = chosen  # As if the measurements chose it.
+        history = tfmemsafe.fit(
+            model, x, y, batch_size=_BATCH, epochs=2, verbose=0, plan=plan
+        )
+        self.assertAllClose(
+            [v.numpy() for v in model.trainable_variables],
+            [v.numpy() for v in reference.trainable_variables],
+            rtol=1e-4,
+            atol=1e-5,
+        )
+        self.assertEqual(int(model.optimizer.iterations), 4)
+        self.assertLen(history.history["loss"], 2)
+
+    def test_the_checkpointed_model_shares_every_variable(self):
+        model = _residual()
+        x, y = _data()
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        plan.chosen = Candidate(1, _BATCH, True)
+        planned = plan.apply(model)
+        self.assertIsNot(planned, model)
+        wrapped = [
+            layer
+            for layer in planned.layers
+            if isinstance(layer, tfmemsafe.Checkpointed)
+        ]
+        self.assertLen(wrapped, 4)
+        self.assertEqual(
+            [layer.recompute for layer in wrapped], [True, True, True, False]
+        )
+        ids = {id(v) for v in model.variables}
+        self.assertTrue(all(id(v) in ids for v in planned.variables))
+        self.assertIs(planned.optimizer, model.optimizer)
+        before = model.trainable_variables[0].numpy()
+        planned.fit(x, y, batch_size=_BATCH, verbose=0)
+        self.assertNotAllClose(model.trainable_variables[0].numpy(), before)
+
+    def test_a_sequential_model_is_checkpointed_in_segments(self):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((16,))]
+            + [keras.layers.Dense(32, activation="relu") for _ in range(9)]
+            + [keras.layers.Dense(3)]
+        )
+        model.compile("adam", "mse")
+        x, _ = _data()
+        plan = tfmemsafe.plan(
+            model, x, np.zeros((_ROWS, 3)), batch_size=_BATCH, verbose=0
+        )
+        self.assertEqual(
+            {c.checkpointing for c in plan.candidates}, {False, True}
+        )
+        self.assertTrue(
+            all(c.step_seconds for c in plan.candidates if c.fits),
+            msg=str(plan),
+        )
+
+    def test_the_table_shows_every_candidate_and_what_was_not_tried(self):
+        model = _residual()
+        x, y = _data()
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        text = str(plan)
+        self.assertStartsWith(text, f"MemoryPlan: batch {_BATCH} on CPU:0")
+        for candidate in plan.candidates:
+            self.assertIn(candidate.name, text)
+        self.assertIn(f"* chosen: {plan.chosen.name}", text)
+        self.assertIn("not tried: other precisions", text)
+
+
+class ChoiceTest(tf.test.TestCase):
+    def test_the_simplest_within_five_percent_of_the_fastest_is_chosen(self):
+        whole = Candidate(1, 512, False, step_seconds=0.104)
+        split = Candidate(2, 256, False, step_seconds=0.100)
+        recomputed = Candidate(1, 512, True, step_seconds=0.090)
+        self.assertIs(_plan._chosen([whole, split]), whole)  # noqa: SLF001
+        self.assertIs(
+            _plan._chosen([whole, split, recomputed]),  # noqa: SLF001
+            recomputed,
+        )
+        # The same measurements, in another order: the same choice.
+        self.assertIs(_plan._chosen([split, whole]), whole)  # noqa: SLF001
+
+    def test_a_candidate_that_ran_out_is_not_chosen(self):
+        ran_out = Candidate(1, 512, False, note="ran out of memory")
+        trained = Candidate(2, 256, False, step_seconds=1.0)
+        self.assertIs(
+            _plan._chosen([ran_out, trained]),  # noqa: SLF001
+            trained,
+        )
+
+
+class BadInputTest(tf.test.TestCase):
+    def test_arguments_are_checked(self):
+        model = _residual()
+        x, y = _data()
+        with self.assertRaisesRegex(ValueError, "`steps` must be"):
+            tfmemsafe.plan(model, x, y, steps=0)
+        with self.assertRaisesRegex(ValueError, "`checkpointing` must be"):
+            tfmemsafe.plan(model, x, y, checkpointing="yes")
+        with self.assertRaisesRegex(ValueError, "`memory_limit` must be"):
+            tfmemsafe.plan(model, x, y, memory_limit=0, verbose=0)
+        with self.assertRaisesRegex(ValueError, "`x` must be data"):
+            tfmemsafe.plan(model, (batch for batch in [(x, y)]))
+        with self.assertRaisesRegex(ValueError, "must be compiled"):
+            tfmemsafe.plan(keras.Sequential([keras.layers.Dense(1)]), x, y)
+
+    def test_checkpointing_a_subclassed_model_is_refused_when_asked_for(self):
+        class Subclassed(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(3)
+
+            def call(self, inputs):
+                return self.dense(inputs)
+
+        model = Subclassed()
+        model.compile("adam", "mse")
+        x, _ = _data()
+        y = np.zeros((_ROWS, 3))
+        with self.assertRaisesRegex(ValueError, "a subclassed model"):
+            tfmemsafe.plan(model, x, y, checkpointing=True, verbose=0)
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        self.assertIn("checkpointing: a subclassed model", str(plan))
+
+    def test_a_plan_is_followed_only_for_its_model_and_batch(self):
+        model = _residual()
+        x, y = _data()
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        with self.assertRaisesRegex(ValueError, "`model` must be the model"):
+            plan.apply(_residual())
+        with self.assertRaisesRegex(ValueError, "made for batches of 512"):
+            tfmemsafe.fit(model, x, y, batch_size=256, plan=plan)
+        with self.assertRaisesRegex(TypeError, "`plan` must be None"):
+            tfmemsafe.fit(model, x, y, batch_size=_BATCH, plan="fast")
+        with self.assertRaisesRegex(ValueError, "pass an integer"):
+            tfmemsafe.fit(model, x, y, batch_size="auto", plan="auto")
+
+
+# Under this cap the residual net's batch of 4096 runs out whole.
+_CAP_MB = 150
+
+
+def planned_fit_under_cap():
+    """`fit(plan="auto")` of a batch that does not fit whole."""
+    model = _residual(width=128, blocks=6)
+    x, y = _data(2 * 4096)
+    with testing.AllocatorFailures() as failures:
+        history = tfmemsafe.fit(
+            model, x, y, batch_size=4096, epochs=2, verbose=0, plan="auto"
+        )
+    return {
+        "oom_events": len(history.oom_events),
+        "failures": failures.count,
+        "iterations": int(model.optimizer.iterations),
+        "finite": all(np.isfinite(v.numpy()).all() for v in model.variables),
+    }
+
+
+class RealCapTest(tf.test.TestCase):
+    def test_a_batch_too_large_whole_trains_as_planned(self):
+        result = testing.run_with_memory_cap(planned_fit_under_cap, _CAP_MB)
+        self.assertEqual(result["iterations"], 4, msg=result)
+        self.assertTrue(result["finite"], msg=result)
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,363 @@
+"""`tfmemsafe.plan`: the fastest way to train a batch in the memory there is.
+
+For the model as it is, and the model with its blocks recomputed, the
+memory model predicts the peak of the step at the whole batch and at
+halvings of it as micro-batches (the static bound first, probes only
+where the bound does not settle it); the fewest micro-batches predicted
+to fit, and twice as many, are then trained for a few steps on the
+model's own variables, which are put back exactly afterwards. Of those
+that trained without running out of memory, the simplest within 5% of
+the fastest is chosen. What trained is a fact: a candidate that ran out
+while measured is not chosen, whatever was predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import keras
+import numpy as np
+from absl import logging
+
+from tfmemsafe import _checks
+from tfmemsafe import distribute
+from tfmemsafe import estimate as estimate_lib
+from tfmemsafe import memory
+from tfmemsafe._model_state import ModelState
+from tfmemsafe._sample_batch import without_sample_batch
+from tfmemsafe._sources import source_for
+from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.planning._memory_plan import Candidate
+from tfmemsafe.planning._memory_plan import MemoryPlan
+from tfmemsafe.planning._variants import checkpointed
+from tfmemsafe.recovery._keras_data import check_kind
+from tfmemsafe.recovery._keras_data import is_iterable_only
+from tfmemsafe.recovery._keras_data import unpacked
+from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
+from tfmemsafe.recovery._planner import SizePlanner
+
+# Step times this close are one speed, on a machine whose load moves
+# them: the simpler candidate is chosen.
+_CLOSE = 0.05
+
+# Candidates measured per model: the fewest micro-batches predicted to
+# fit, and twice as many (smaller micro-batches are at times faster).
+_MEASURED_PER_MODEL = 2
+
+
+def plan(
+    model: keras.Model,
+    x=None,
+    y=None,
+    batch_size: int | None = None,
+    *,
+    memory_limit: int | None = None,
+    checkpointing: bool | str = "auto",
+    steps: int = 5,
+    verbose="auto",
+) -> MemoryPlan:
+    """Chooses how to train a batch within memory, by measurement.
+
+    Considers training each batch of `batch_size` whole or as k
+    micro-batches of one update (`tfmemsafe.SplitBatchOnOOM`), with the
+    model as it is and with its blocks recomputed in the backward pass
+    (`tfmemsafe.Checkpointed`: a `keras.Sequential` in about sqrt(n)
+    segments of its layers, a functional model's nested models and layers
+    of your own class; a subclassed model is not rebuilt).
+    For each it predicts the step's peak (`tfmemsafe.estimate_memory`,
+    or the traced step's upper bound where that fits already). The
+    fewest micro-batches predicted to fit, and twice as many, are trained
+    for `steps` steps (after one that traces), with their median step
+    time and peak measured. Of those that trained without running out
+    of memory, the simplest (fewest micro-batches, then no
+    recomputation) within 5% of the fastest is chosen: closer times are
+    one speed on a machine whose load moves them. More micro-batches
+    than that are not tried: they need less memory still, and every
+    micro-batch adds a step's fixed cost.
+
+    The model is left exactly as it was found: its weights, optimizer
+    state, metrics and random-seed state are put back after each
+    measurement. The choice depends only on the measurements: the same
+    measurements give the same plan.
+
+    The dtype policy is not a candidate: `tfmemsafe.configure` sets mixed
+    precision at import where the GPU computes faster in it, and the plan
+    says which policy the model computes in.
+
+    Args:
+        model: A compiled `keras.Model`.
+        x: The training data, as `tfmemsafe.fit` takes it, but not a
+            `keras.utils.PyDataset`, generator or iterator (the plan reads
+            batches ahead of training). A few batches are read.
+        y: The targets, with arrays or tensors as `x`.
+        batch_size: int or `None`. The batch to train. Defaults to the
+            batch size of a batched dataset, else 32.
+        memory_limit: int or `None`. Bytes to plan within, at most the
+            device's. Defaults to `None`: the device's limit.
+        checkpointing: bool or `"auto"`. Whether to consider recomputing
+            the model's blocks; `"auto"` considers it where the model can
+            be rebuilt, and says why not elsewhere. Defaults to `"auto"`.
+        steps: int. Timed steps per measured candidate. Defaults to `5`.
+        verbose: `"auto"`, 0 or 1. A progress bar of the planning stages
+            with 1 (and `"auto"`). Defaults to `"auto"`.
+
+    Returns:
+        A `MemoryPlan`.
+
+    Raises:
+        TypeError: If `model` or `x` is of the wrong kind.
+        ValueError: If an argument is out of range, the job runs on
+            several workers, or `checkpointing=True` and the model cannot
+            be checkpointed.
+
+    Example:
+    >>> plan = tfmemsafe.plan(model, x, y, batch_size=512)
+    >>> print(plan)
+    >>> history = tfmemsafe.fit(model, x, y, batch_size=512, plan=plan)
+    """
+    started = time.perf_counter()
+    _checks.compiled_model(model, "plan")
+    steps = _checks.integer("steps", steps, 1)
+    if checkpointing not in (True, False, "auto"):
+        raise ValueError(
+            "`checkpointing` must be True, False or 'auto'. Received: "
+            f"checkpointing={checkpointing!r}"
+        )
+    if verbose not in ("auto", 0, 1):
+        raise ValueError(
+            f"`verbose` must be 'auto', 0 or 1. Received: verbose={verbose!r}"
+        )
+    check_kind(x, "x")
+    if is_iterable_only(x):
+        raise ValueError(
+            "`x` must be data tfmemsafe.plan can read ahead: arrays, a "
+            "tf.data.Dataset or a callable. Received: x of type "
+            f"{type(x).__name__}"
+        )
+    strategy = model.distribute_strategy
+    if distribute.is_multi_worker(strategy):
+        raise ValueError(
+            "tfmemsafe.plan plans on one machine, and this job runs on "
+            "several workers. Plan on one machine with the same per-worker "
+            "batch, then pass the chosen micro_batch_size to "
+            "tfmemsafe.SplitBatchOnOOM."
+        )
+    x, y, _ = unpacked(x, y)
+    source = source_for(
+        x if y is None else (x, y), "x", labelled=True, strategy=strategy
+    )
+    rows = source.resolve_batch_size(batch_size)
+    devices = estimate_lib.devices_of(model)
+    limit = _limit(memory_limit, devices)
+    not_tried = [_precision(model)]
+    models = [model]
+    if checkpointing:
+        variant, why = checkpointed(model)
+        if variant is not None:
+            models.append(variant)
+        elif checkpointing == "auto":
+            not_tried.append(f"checkpointing: {why}")
+        else:
+            raise ValueError(
+                "`checkpointing=True`, and this model cannot be checkpointed "
+                f"by tfmemsafe.plan: {why}."
+            )
+    else:
+        not_tried.append("checkpointing: turned off (checkpointing=False)")
+    progress = keras.utils.Progbar(
+        2 * len(models), verbose=0 if verbose == 0 else 1, unit_name="stage"
+    )
+    candidates = []
+    for stage, planned in enumerate(models):
+        predicted = _predicted(planned, model, source, rows, limit)
+        progress.update(2 * stage + 1)
+        candidates += _measured(
+            planned, predicted, source, rows, steps, devices
+        )
+        progress.update(2 * stage + 2)
+    chosen = _chosen(candidates)
+    made = MemoryPlan(
+        model,
+        models[1] if len(models) > 1 else None,
+        batch_size=rows,
+        device=devices[0],
+        limit_bytes=limit,
+        candidates=candidates,
+        chosen=chosen,
+        not_tried=not_tried,
+        seconds=time.perf_counter() - started,
+    )
+    logging.info("tfmemsafe.plan:\n%s", made)
+    return made
+
+
+def _limit(memory_limit, devices) -> int | None:
+    """The bytes to plan within: the devices' smallest limit, or less."""
+    known = [memory.memory_info(d).limit_bytes for d in devices]
+    device_limit = min((b for b in known if b), default=None)
+    if memory_limit is None:
+        return device_limit
+    _checks.integer("memory_limit", memory_limit, 1)
+    return (
+        memory_limit
+        if device_limit is None
+        else min(memory_limit, device_limit)
+    )
+
+
+def _precision(model) -> str:
+    return (
+        "other precisions: the model computes in its dtype policy "
+        f"'{model.dtype_policy.name}' (tfmemsafe.configure chooses mixed "
+        "precision at import where the GPU computes faster in it)"
+    )
+
+
+def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
+    """Candidates from the whole batch to the fewest micro-batches
+    predicted to fit, and twice as many; each with its prediction."""
+    recompute = planned is not model
+    planner = SizePlanner(planned, "tfmemsafe.plan", memory_estimate=True)
+    sums = _gradient_bytes(planned)
+    candidates, fitting = [], 0
+    micro = rows
+    while micro >= 1 and fitting < _MEASURED_PER_MODEL:
+        pieces = -(-rows // micro)
+        peak, by = planner.peak_bytes(
+            "training",
+            source,
+            micro,
+            largest_probe=max(1, rows // 2),
+            limit=limit,
+            beside=sums if pieces > 1 else 0,  # The split's gradient sums.
+        )
+        if peak is None:
+            # Nothing predicts: the whole batch is measured, and split as
+            # it runs out.
+            return [Candidate(1, rows, recompute, None, by, None)]
+        fits = limit is not None and memory.fits_within(peak, limit)
+        fitting += fits
+        candidates.append(
+            Candidate(pieces, micro, recompute, int(peak), by, fits)
+        )
+        micro = micro // 2 if micro > 1 else 0
+    return candidates
+
+
+def _measured(planned, candidates, source, rows, steps, devices):
+    """`candidates` with those to measure trained and measured."""
+    measured = []
+    for candidate in candidates:
+        if candidate.fits is False:
+            measured.append(
+                dataclasses.replace(candidate, note="predicted not to fit")
+            )
+            continue
+        measured.append(
+            _measure(planned, candidate, source, rows, steps, devices)
+        )
+    return measured
+
+
+def _measure(planned, candidate, source, rows, steps, devices) -> Candidate:
+    """Trains `steps + 1` batches as `candidate` says, on the model's own
+    variables, and puts the model back."""
+    split = SplitBatchOnOOM(
+        grow_back_after=None,
+        split_batch_norm=True,
+        micro_batch_size=(
+            candidate.micro_batch_size if candidate.micro_batches > 1 else None
+        ),
+    )
+    times = _StepTimes()
+    state = ModelState(planned)
+    for device in devices:
+        memory.reset_peak_memory(device)
+    try:
+        failed = _trained(planned, candidate, source, rows, steps, times, split)
+    finally:
+        # After the error and its frames (which hold the step's tensors)
+        # are gone: putting the values back needs memory.
+        state.restore()
+        state.close()
+    if failed:
+        return dataclasses.replace(candidate, note=failed)
+    if split.oom_events:
+        return dataclasses.replace(
+            candidate,
+            note="ran out of memory; split into "
+            f"{split.oom_events[-1].split_into}",
+        )
+    peaks = [memory.memory_info(d).peak_bytes for d in devices]
+    return dataclasses.replace(
+        candidate,
+        measured_peak_bytes=None if None in peaks else max(peaks),
+        step_seconds=statistics.median(times.seconds[1:]),
+    )
+
+
+def _trained(planned, candidate, source, rows, steps, times, split) -> str:
+    """Trains the measured steps; `""`, or what stopped them."""
+    try:
+        # As `tfmemsafe.fit` trains: Keras reads no batch only to drop it.
+        with without_sample_batch(planned):
+            planned.fit(
+                **source.trial_arguments(rows, steps + 1),
+                epochs=1,
+                verbose=0,
+                callbacks=[times, split],
+            )
+    except OutOfMemoryError as err:
+        return f"ran out of memory ({err.args[0]:.60})"
+    except (ValueError, TypeError) as err:
+        if not candidate.checkpointing:
+            raise
+        # What the wrapping refuses (a block with TensorFlow's stateful
+        # random ops): the model as it is still trains.
+        return f"failed: {err}"[:120]
+    return ""
+
+
+def _chosen(candidates) -> Candidate:
+    """The first measured candidate (the simplest: fewer micro-batches,
+    then no recomputation) within `_CLOSE` of the fastest; without one,
+    the one predicted to need least memory (or the last considered)."""
+    trained = [c for c in candidates if c.step_seconds is not None]
+    if trained:
+        fastest = min(c.step_seconds for c in trained)
+        return next(
+            c
+            for c in _simplest_first(trained)
+            if c.step_seconds <= fastest * (1 + _CLOSE)
+        )
+    predicted = [c for c in candidates if c.predicted_peak_bytes is not None]
+    if predicted:
+        return min(predicted, key=lambda c: c.predicted_peak_bytes)
+    return candidates[-1]
+
+
+def _simplest_first(candidates) -> list[Candidate]:
+    return sorted(candidates, key=lambda c: (c.checkpointing, c.micro_batches))
+
+
+def _gradient_bytes(model) -> int:
+    """The bytes of one gradient of every trainable variable."""
+    return sum(
+        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        for v in model.trainable_variables
+    )
+
+
+class _StepTimes(keras.callbacks.Callback):
+    """Each training step's wall time, in seconds."""
+
+    def on_train_begin(self, logs=None):
+        self.seconds = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._began = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds.append(time.perf_counter() - self._began)
