@@ -225,10 +225,10 @@ class BadInputTest(tf.test.TestCase):
         model.compile("adam", "mse")
         x, _ = _data()
         y = np.zeros((_ROWS, 3))
-        with self.assertRaisesRegex(ValueError, "a subclassed model"):
+        with self.assertRaisesRegex(ValueError, "a model of its own class"):
             tfmemsafe.plan(model, x, y, checkpointing=True, verbose=0)
         plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
-        self.assertIn("checkpointing: a subclassed model", str(plan))
+        self.assertIn("checkpointing: a model of its own class", str(plan))
 
     def test_a_plan_is_followed_only_for_its_model_and_batch(self):
         model = _residual()

@@ -65,7 +65,7 @@ def plan(
     model as it is and with its blocks recomputed in the backward pass
     (`tfmemsafe.Checkpointed`: a `keras.Sequential` in about sqrt(n)
     segments of its layers, a functional model's nested models and layers
-    of your own class; a subclassed model is not rebuilt).
+    of your own class; a model of another class is not rebuilt).
     For each it predicts the step's peak (`tfmemsafe.estimate_memory`,
     or the traced step's upper bound where that fits already). The
     fewest micro-batches predicted to fit, and twice as many, are trained
@@ -219,6 +219,11 @@ def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
     """Candidates from the whole batch to the fewest micro-batches
     predicted to fit, and twice as many; each with its prediction."""
     recompute = planned is not model
+    if limit is None:
+        # Nothing can fit an unknown limit: the whole batch is measured,
+        # and split as it runs out.
+        why = "the device's memory limit is unknown"
+        return [Candidate(1, rows, recompute, None, why, None)]
     planner = SizePlanner(planned, "tfmemsafe.plan", memory_estimate=True)
     sums = _gradient_bytes(planned)
     candidates, fitting = [], 0
@@ -237,7 +242,7 @@ def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
             # Nothing predicts: the whole batch is measured, and split as
             # it runs out.
             return [Candidate(1, rows, recompute, None, by, None)]
-        fits = limit is not None and memory.fits_within(peak, limit)
+        fits = memory.fits_within(peak, limit)
         fitting += fits
         candidates.append(
             Candidate(pieces, micro, recompute, int(peak), by, fits)

@@ -23,16 +23,20 @@ def checkpointed(model: keras.Model) -> tuple[keras.Model | None, str]:
     layers (`checkpoint_blocks`). A functional model has each of its
     blocks wrapped: a nested model or a layer of the user's own class,
     the last of them kept rather than recomputed (the backward pass
-    starts there). A subclassed model's `call` cannot be rebuilt.
+    starts there). A model of another class (subclassed, an
+    `AccumulatingModel`, one with its own `train_step`) is not rebuilt.
     """
-    if isinstance(model, keras.Sequential):
+    if type(model) is keras.Sequential:
         variant, why = _sequential(model)
-    elif _is_functional(model):
+    elif type(model) is _compat.functional_class():
         variant, why = _functional(model)
     else:
+        # A class of its own (a subclassed model, an `AccumulatingModel`,
+        # a functional model with its own `train_step`) may hold what a
+        # rebuilt model would lose.
         return None, (
-            f"a subclassed model ({type(model).__name__}) cannot be rebuilt: "
-            "wrap its blocks in tfmemsafe.Checkpointed yourself"
+            f"a model of its own class ({type(model).__name__}) is not "
+            "rebuilt: wrap its blocks in tfmemsafe.Checkpointed yourself"
         )
     if variant is None:
         return None, why
@@ -64,11 +68,6 @@ def _functional(model):
         return Checkpointed(layer, recompute=layer is not last)
 
     return keras.models.clone_model(model, clone_function=wrapped), ""
-
-
-def _is_functional(model) -> bool:
-    functional = _compat.functional_class()
-    return functional is not None and isinstance(model, functional)
 
 
 def _is_block(layer) -> bool:
