@@ -11,5 +11,6 @@ blocks checkpointed, and the plan's table.
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._memory_plan import MemoryPlan
 from tfmemsafe.planning._plan import plan
+from tfmemsafe.planning._plan import to_follow  # noqa: F401 (`fit`'s)
 
 __all__ = ["Candidate", "MemoryPlan", "plan"]

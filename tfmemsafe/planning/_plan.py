@@ -71,11 +71,11 @@ def plan(
     fewest micro-batches predicted to fit, and twice as many, are trained
     for `steps` steps (after one that traces), with their median step
     time and peak measured. Of those that trained without running out
-    of memory, the simplest (fewest micro-batches, then no
-    recomputation) within 5% of the fastest is chosen: closer times are
-    one speed on a machine whose load moves them. More micro-batches
-    than that are not tried: they need less memory still, and every
-    micro-batch adds a step's fixed cost.
+    of memory, the simplest (the model as it is before the checkpointed
+    one, then the fewest micro-batches) within 5% of the fastest is
+    chosen: closer times are one speed on a machine whose load moves
+    them. More micro-batches than that are not tried: they need less
+    memory still, and every micro-batch adds a step's fixed cost.
 
     The model is left exactly as it was found: its weights, optimizer
     state, metrics and random-seed state are put back after each
@@ -191,6 +191,27 @@ def plan(
     )
     logging.info("tfmemsafe.plan:\n%s", made)
     return made
+
+
+def to_follow(plan_or_auto, model, data, rows: int, verbose) -> MemoryPlan:
+    """The `MemoryPlan` a `tfmemsafe.fit` of batches of `rows` follows:
+    the one it was given, checked, or one made now for `"auto"`."""
+    if plan_or_auto == "auto":
+        return plan(
+            model, data, batch_size=rows, verbose=0 if verbose == 0 else 1
+        )
+    if not isinstance(plan_or_auto, MemoryPlan):
+        raise TypeError(
+            "`plan` must be None, 'auto' or a tfmemsafe.MemoryPlan. "
+            f"Received: plan={plan_or_auto!r:.80}"
+        )
+    if plan_or_auto.batch_size != rows:
+        raise ValueError(
+            f"`plan` was made for batches of {plan_or_auto.batch_size}, and "
+            f"this fit trains batches of {rows}. Make the plan with "
+            f"batch_size={rows}."
+        )
+    return plan_or_auto
 
 
 def _limit(memory_limit, devices) -> int | None:
@@ -326,8 +347,8 @@ def _trained(planned, candidate, source, rows, steps, times, split) -> str:
 
 
 def _chosen(candidates) -> Candidate:
-    """The first measured candidate (the simplest: fewer micro-batches,
-    then no recomputation) within `_CLOSE` of the fastest; without one,
+    """The first measured candidate (the simplest: no recomputation,
+    then fewer micro-batches) within `_CLOSE` of the fastest; without one,
     the one predicted to need least memory (or the last considered)."""
     trained = [c for c in candidates if c.step_seconds is not None]
     if trained:

@@ -252,7 +252,7 @@ def fit(
     x, keras_batch_size, rows = keras_data(x, batch_size, strategy)
     trained = model
     if plan is not None:
-        plan = _planned(plan, model, data, batch_size, rows, verbose)
+        plan = planning.to_follow(plan, model, data, rows, verbose)
         trained = plan.apply(model)
         split.micro_batch_size = plan.micro_batch_size
         preflight = False  # The plan measured its sizes.
@@ -303,26 +303,6 @@ def fit(
     history.grow_back_events.extend(split.grow_back_events)
     history.batch_size = rows
     return history
-
-
-def _planned(plan, model, data, batch_size, rows, verbose):
-    """The `MemoryPlan` to follow: `plan`, or made now for `"auto"`."""
-    if plan == "auto":
-        return planning.plan(
-            model, data, batch_size=rows, verbose=0 if verbose == 0 else 1
-        )
-    if not isinstance(plan, planning.MemoryPlan):
-        raise TypeError(
-            "`plan` must be None, 'auto' or a tfmemsafe.MemoryPlan. "
-            f"Received: plan={plan!r:.80}"
-        )
-    if plan.batch_size != rows:
-        raise ValueError(
-            f"`plan` was made for batches of {plan.batch_size}, and this "
-            f"fit trains batches of {rows}. Make the plan with "
-            f"batch_size={rows}."
-        )
-    return plan
 
 
 def _auto(model, x, y, validation_data, memory_estimate):
