@@ -125,6 +125,19 @@ class SmokeTest(tf.test.TestCase):
         self.assertGreater(estimate.peak_bytes(64), estimate.peak_bytes(8))
         self.assertGreater(estimate.max_batch_size(), 64)
 
+    def test_plan_trains_its_choice(self):
+        x, y = _data()
+        model = _model(keras.layers.Dense(8, activation="relu"))
+        plan = tfmemsafe.plan(model, x, y, batch_size=32, steps=1, verbose=0)
+        self.assertIn(
+            True, {c.checkpointing for c in plan.candidates}, msg=str(plan)
+        )
+        self.assertIsNotNone(plan.chosen.step_seconds, msg=str(plan))
+        history = tfmemsafe.fit(
+            model, x, y, batch_size=32, verbose=0, plan=plan
+        )
+        self.assertLen(history.history["loss"], 1)
+
     def test_buckets_batch_variable_length_data(self):
         lengths = np.arange(4, 36, 2)
         dataset = tf.data.Dataset.from_generator(
