@@ -195,8 +195,13 @@ class PrivateNamesTest(tf.test.TestCase):
             self.assertEqual(float(step(tf.constant(1.0))), 2.0)
         self.assertLen(names, 1)
         self.assertIn(names[0], ops._gradient_registry._registry)  # noqa: SLF001
+        recorded = names[0]
         _compat.forget_custom_gradients(names)
         self.assertEmpty(names)
+        self.assertNotIn(
+            recorded,
+            ops._gradient_registry._registry,  # noqa: SLF001
+        )
 
     def test_functional_class_is_that_of_a_model_of_inputs_and_outputs(self):
         inputs = keras.Input((3,))

@@ -230,6 +230,67 @@ class BadInputTest(tf.test.TestCase):
         plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
         self.assertIn("checkpointing: a model of its own class", str(plan))
 
+    def test_models_it_cannot_rebuild_are_planned_without_recomputing(self):
+        x, _ = _data()
+        tokens = (np.abs(x[:, :8]) * 10).astype("int32")
+        keras.utils.set_random_seed(0)
+        masked = keras.Sequential(
+            [
+                keras.Input((8,), dtype="int32"),
+                keras.layers.Embedding(50, 8, mask_zero=True),
+                keras.layers.GRU(8),
+                keras.layers.Dense(3),
+            ]
+        )
+        masked.compile("adam", "mse")
+
+        class Unregistered(keras.metrics.MeanMetricWrapper):
+            def __init__(self, name="unregistered", dtype=None):
+                super().__init__(
+                    keras.losses.mean_squared_error, name=name, dtype=dtype
+                )
+
+        unregistered = _residual()
+        unregistered.compile("adam", "mse", metrics=[Unregistered()])
+        for model, data, why in (
+            (masked, tokens, "carry masks"),
+            (unregistered, x, "cannot be made again from their config"),
+        ):
+            with self.subTest(why):
+                y = np.zeros((_ROWS, 3))
+                plan = tfmemsafe.plan(
+                    model, data, y, batch_size=_BATCH, verbose=0
+                )
+                self.assertIn(why, "\n".join(plan.not_tried))
+                self.assertFalse(any(c.checkpointing for c in plan.candidates))
+                with self.assertRaisesRegex(ValueError, why):
+                    tfmemsafe.plan(
+                        model, data, y, checkpointing=True, verbose=0
+                    )
+
+    def test_a_model_not_built_yet_is_planned(self):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.layers.Dense(16, activation="relu") for _ in range(4)]
+            + [keras.layers.Dense(3)]
+        )
+        model.compile("adam", "mse", steps_per_execution=2)
+        x, _ = _data()
+        plan = tfmemsafe.plan(
+            model, x, np.zeros((_ROWS, 3)), batch_size=128, verbose=0
+        )
+        self.assertTrue(model.built)
+        self.assertIsNotNone(plan.chosen.step_seconds, msg=str(plan))
+
+    def test_a_plan_that_recomputes_refuses_a_model_compiled_again(self):
+        model = _residual()
+        x, y = _data()
+        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        plan.chosen = Candidate(1, _BATCH, True)
+        model.compile("adam", "mse")
+        with self.assertRaisesRegex(ValueError, "compiled again"):
+            plan.apply(model)
+
     def test_a_plan_is_followed_only_for_its_model_and_batch(self):
         model = _residual()
         x, y = _data()

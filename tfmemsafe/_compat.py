@@ -396,20 +396,24 @@ def recording_custom_gradients(names: list):
     captured (Keras' optimizer makes one in each `apply`, through
     `ReplicaContext.all_reduce`). Dropped by `forget_custom_gradients`
     once the graph is no longer run, its variables are freed with their
-    last reference. No public API lists or drops them. Checked:
+    last reference. A graph traced inside, by this or another thread, must
+    not be differentiated again after that. No public API lists or drops
+    them. Checked:
     `tensorflow.python.framework.ops._gradient_registry._registry`, names
     `"CustomGradient-<uid>"` (TensorFlow 2.21); gone: nothing is recorded
     (said in a warning), and what those graphs captured stays allocated.
     """
     registry = _gradient_registry()
-    before = None if registry is None else set(registry)
+    before = None if registry is None else set(list(registry))
     try:
         yield
     finally:
         if registry is not None:
+            # `list` copies the keys at once, beside another thread's
+            # registration.
             names.extend(
                 name
-                for name in registry
+                for name in list(registry)
                 if name not in before and name.startswith("CustomGradient-")
             )
 

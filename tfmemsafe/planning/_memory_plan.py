@@ -123,7 +123,9 @@ class MemoryPlan:
         `model`. Save `model`, which has no `Checkpointed` wrappers.
 
         Raises:
-            ValueError: If `model` is not the model the plan was made for.
+            ValueError: If `model` is not the model the plan was made for,
+                or the plan recomputes and `model` was compiled again
+                since.
         """
         if model is not self._model():
             raise ValueError(
@@ -131,9 +133,15 @@ class MemoryPlan:
                 f"model={model.name!r}; the plan is for a model that "
                 "`tfmemsafe.plan` was called with."
             )
-        if self.chosen.checkpointing:
-            return self._checkpointed_model
-        return model
+        if not self.chosen.checkpointing:
+            return model
+        if self._checkpointed_model.optimizer is not model.optimizer:
+            raise ValueError(
+                "`model` was compiled again after the plan was made, and "
+                "the checkpointed model the plan trains keeps the optimizer "
+                "it had then. Make the plan again."
+            )
+        return self._checkpointed_model
 
     def callback(self, **kwargs) -> SplitBatchOnOOM:
         """A `tfmemsafe.SplitBatchOnOOM` that trains the chosen

@@ -152,6 +152,9 @@ def plan(
     devices = estimate_lib.devices_of(model)
     limit = _limit(memory_limit, devices)
     not_tried = [_precision(model)]
+    if not model.built:  # So that its layers and variables exist.
+        with strategy.scope():
+            model(source.sample_inputs(), training=False)
     models = [model]
     if checkpointing:
         variant, why = checkpointed(model)
@@ -174,7 +177,7 @@ def plan(
         predicted = _predicted(planned, model, source, rows, limit)
         progress.update(2 * stage + 1)
         candidates += _measured(
-            planned, predicted, source, rows, steps, devices
+            planned, predicted, source, rows, steps, devices, limit
         )
         progress.update(2 * stage + 2)
     chosen = _chosen(candidates)
@@ -272,7 +275,7 @@ def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
     return candidates
 
 
-def _measured(planned, candidates, source, rows, steps, devices):
+def _measured(planned, candidates, source, rows, steps, devices, limit):
     """`candidates` with those to measure trained and measured."""
     measured = []
     for candidate in candidates:
@@ -282,12 +285,14 @@ def _measured(planned, candidates, source, rows, steps, devices):
             )
             continue
         measured.append(
-            _measure(planned, candidate, source, rows, steps, devices)
+            _measure(planned, candidate, source, rows, steps, devices, limit)
         )
     return measured
 
 
-def _measure(planned, candidate, source, rows, steps, devices) -> Candidate:
+def _measure(
+    planned, candidate, source, rows, steps, devices, limit
+) -> Candidate:
     """Trains `steps + 1` batches as `candidate` says, on the model's own
     variables, and puts the model back."""
     split = SplitBatchOnOOM(
@@ -304,8 +309,8 @@ def _measure(planned, candidate, source, rows, steps, devices) -> Candidate:
     try:
         failed = _trained(planned, candidate, source, rows, steps, times, split)
     finally:
-        # After the error and its frames (which hold the step's tensors)
-        # are gone: putting the values back needs memory.
+        # After an out-of-memory error and its frames (which hold the
+        # step's tensors) are gone: putting the values back needs memory.
         state.restore()
         state.close()
     if failed:
@@ -317,10 +322,21 @@ def _measure(planned, candidate, source, rows, steps, devices) -> Candidate:
             f"{split.oom_events[-1].split_into}",
         )
     peaks = [memory.memory_info(d).peak_bytes for d in devices]
+    peak = None if None in peaks else max(peaks)
+    if peak is not None and limit and not memory.fits_within(peak, limit):
+        # Measured beats predicted: it trained, but not within the limit.
+        return dataclasses.replace(
+            candidate,
+            measured_peak_bytes=peak,
+            note="measured over 90% of the limit",
+        )
+    # Keras calls the batch callbacks once per execution of
+    # `steps_per_execution` steps; the first traces.
     return dataclasses.replace(
         candidate,
-        measured_peak_bytes=None if None in peaks else max(peaks),
-        step_seconds=statistics.median(times.seconds[1:]),
+        measured_peak_bytes=peak,
+        step_seconds=statistics.median(times.seconds[1:])
+        / _steps_per_call(planned),
     )
 
 
@@ -330,7 +346,9 @@ def _trained(planned, candidate, source, rows, steps, times, split) -> str:
         # As `tfmemsafe.fit` trains: Keras reads no batch only to drop it.
         with without_sample_batch(planned):
             planned.fit(
-                **source.trial_arguments(rows, steps + 1),
+                **source.trial_arguments(
+                    rows, (steps + 1) * _steps_per_call(planned)
+                ),
                 epochs=1,
                 verbose=0,
                 callbacks=[times, split],
@@ -358,10 +376,19 @@ def _chosen(candidates) -> Candidate:
             for c in _simplest_first(trained)
             if c.step_seconds <= fastest * (1 + _CLOSE)
         )
-    predicted = [c for c in candidates if c.predicted_peak_bytes is not None]
+    predicted = [
+        c
+        for c in candidates
+        if c.predicted_peak_bytes is not None
+        and not c.note.startswith("failed")
+    ]
     if predicted:
         return min(predicted, key=lambda c: c.predicted_peak_bytes)
     return candidates[-1]
+
+
+def _steps_per_call(model) -> int:
+    return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
 
 
 def _simplest_first(candidates) -> list[Candidate]:

@@ -63,7 +63,7 @@ def fit(
     memory_estimate: bool = True,
     grow_back_after: int | None = 100,
     split_batch_norm: bool = True,
-    plan=None,
+    plan: str | planning.MemoryPlan | None = None,
 ) -> FitHistory:
     """Trains a compiled model as `model.fit` does, surviving running out
     of memory.

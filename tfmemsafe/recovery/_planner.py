@@ -305,7 +305,8 @@ class _StaticBound:
         if not all(limits.values()):
             return None
         if not model.built:  # So that the optimizer is built for all.
-            model(source.sample_inputs(), training=False)
+            with model.distribute_strategy.scope():
+                model(source.sample_inputs(), training=False)
         if model.optimizer is not None and not model.optimizer.built:
             # Its slots are state too; `fit` would build it (zero state).
             with model.distribute_strategy.scope():
