@@ -5,7 +5,8 @@ recomputed (`Checkpointed`), the memory model predicts the step's peak
 whole and split into micro-batches; the candidates predicted to fit are
 trained for a few steps and the fastest (the simplest of those within
 5%) is chosen. Inside: the model that shares the user's layers with its
-blocks checkpointed, and the plan's table.
+blocks checkpointed, the measurement of one candidate, and the plan's
+table.
 """
 
 from tfmemsafe.planning._memory_plan import Candidate
