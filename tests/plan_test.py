@@ -305,6 +305,37 @@ class BadInputTest(tf.test.TestCase):
             tfmemsafe.fit(model, x, y, batch_size="auto", plan="auto")
 
 
+def planned_under_mirrored_strategy():
+    """A plan on two logical CPUs, checkpointed, and a fit that follows it."""
+    import _models
+
+    strategy = _models.mirrored_on_two_cpus()
+    with strategy.scope():
+        model = _residual()
+    x, y = _data()
+    plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+    plan.chosen = Candidate(2, _BATCH // 2, True)
+    planned = plan.apply(model)
+    history = tfmemsafe.fit(
+        model, x, y, batch_size=_BATCH, verbose=0, plan=plan
+    )
+    return {
+        "strategy": type(planned.distribute_strategy).__name__,
+        "measured": [c.step_seconds is not None for c in plan.candidates],
+        "epochs": len(history.history["loss"]),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+class MirroredStrategyTest(tf.test.TestCase):
+    def test_the_checkpointed_model_trains_under_the_models_strategy(self):
+        result = testing.run_in_subprocess(planned_under_mirrored_strategy)
+        self.assertEqual(result["strategy"], "MirroredStrategy")
+        self.assertTrue(all(result["measured"]), msg=result)
+        self.assertEqual(result["epochs"], 1)
+        self.assertEqual(result["iterations"], _ROWS // _BATCH)
+
+
 # Under this cap the residual net's batch of 4096 runs out whole.
 _CAP_MB = 150
 
