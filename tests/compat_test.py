@@ -149,6 +149,51 @@ class PrivateNamesTest(tf.test.TestCase):
             testing.run_in_subprocess("tfmemsafe._compat:eager_context_started")
         )
 
+    def test_a_pipeline_is_walked_to_its_sources(self):
+        rows = tf.data.Dataset.range(8)
+        batched = rows.batch(2)
+        (inner,) = _compat.dataset_inputs(batched)
+        self.assertEqual(int(inner.cardinality()), 8)
+        zipped = tf.data.Dataset.zip((batched, rows))
+        self.assertLen(_compat.dataset_inputs(zipped), 2)
+        self.assertEmpty(_compat.dataset_inputs(rows))
+
+    def test_transformation_arguments_are_read(self):
+        rows = tf.data.Dataset.range(8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batched = rows.batch(3, drop_remainder=True)
+            self.assertEqual(
+                int(_compat.transformation_argument(batched, "batch_size")), 3
+            )
+            self.assertTrue(
+                bool(_compat.transformation_argument(batched, "drop_remainder"))
+            )
+            fetched = rows.prefetch(5)
+            self.assertEqual(
+                int(_compat.transformation_argument(fetched, "buffer_size")), 5
+            )
+
+    def test_function_call_options_are_read_and_set(self):
+        found = _compat.function_call_options()
+        config = tf.compat.v1.ConfigProto.FromString(
+            found.config_proto_serialized
+        )
+        config.graph_options.rewrite_options.memory_optimization = 4
+        made = _compat.make_function_call_options(found.executor_type, config)
+        try:
+            _compat.set_function_call_options(made)
+            now = _compat.function_call_options()
+            self.assertEqual(
+                now.config_proto_serialized, made.config_proto_serialized
+            )
+        finally:
+            _compat.set_function_call_options(found)
+        self.assertEqual(
+            _compat.function_call_options().config_proto_serialized,
+            found.config_proto_serialized,
+        )
+
     def test_stop_recording_pauses_every_tape(self):
         x = tf.constant(2.0)
         with tf.GradientTape() as tape:
@@ -346,6 +391,42 @@ class FallbackTest(tf.test.TestCase):
         ):
             pass
         self.assertEmpty(names)
+
+    def test_without_a_transformation_argument_it_is_unknown(self):
+        with self.assertWarnsRegex(RuntimeWarning, "_batch_size"):
+            self.assertIsNone(
+                _compat.transformation_argument(object(), "batch_size")
+            )
+
+    def test_without_the_pipeline_walk_batches_are_not_recognised(self):
+        from tfmemsafe import _pipelines
+
+        source = tf.data.Dataset.range(2)
+        _compat._dataset_walk_works.cache_clear()  # noqa: SLF001
+        try:
+            with (
+                mock.patch.object(
+                    tf.data.Dataset, "batch", lambda self, *a, **k: source
+                ),
+                self.assertWarnsRegex(RuntimeWarning, "_input_dataset"),
+            ):
+                self.assertEmpty(_compat.dataset_inputs(source.map(abs)))
+            batched = source.batch(2).map(abs)
+            self.assertEqual(_pipelines.batching_of(batched), (False, None))
+        finally:
+            _compat._dataset_walk_works.cache_clear()  # noqa: SLF001
+        self.assertEqual(_pipelines.batching_of(batched), (True, 2))
+
+    def test_without_function_call_options_the_rewrite_stays(self):
+        from tensorflow.python.eager import context
+
+        with (
+            mock.patch.object(
+                type(context.context()), "function_call_options", None
+            ),
+            self.assertWarnsRegex(RuntimeWarning, "function_call_options"),
+        ):
+            self.assertIsNone(_compat.function_call_options())
 
     def test_without_the_functional_class_it_says_what_to_use_instead(self):
         inputs = keras.Input((3,))

@@ -306,6 +306,44 @@ def eager_context_started() -> bool:
     return bool(started)
 
 
+def function_call_options():
+    """The options the `tf.function` calls of this thread run with (their
+    Grappler configuration), or `None` after a warning. TensorFlow has no
+    public setter of Grappler's memory optimizer for function calls
+    (`tf.config.optimizer.set_experimental_options` has none). Checked:
+    `tensorflow.python.eager.context.context().function_call_options`."""
+    from tensorflow.python.eager import context
+
+    options = getattr(context.context(), "function_call_options", None)
+    if options is None:
+        _moved(
+            "tensorflow.python.eager.context.Context.function_call_options",
+            "Grappler's AddN rewrite stays on: a step that runs out of "
+            "memory may make later steps raise AlreadyExistsError.",
+            library="tensorflow",
+        )
+    return options
+
+
+def set_function_call_options(options) -> None:
+    """Sets the options of this thread's `tf.function` calls: ones
+    `function_call_options` returned, or `make_function_call_options`
+    made."""
+    from tensorflow.python.eager import context
+
+    context.context().function_call_options = options
+
+
+def make_function_call_options(executor_type, config):
+    """Function call options from a `ConfigProto`. Checked:
+    `tensorflow.python.eager.context.FunctionCallOptions`."""
+    from tensorflow.python.eager import context
+
+    return context.FunctionCallOptions(
+        executor_type=executor_type, config_proto=config
+    )
+
+
 def stop_recording():
     """A context in which no gradient tape records, as `tf.recompute_grad`
     pauses them; `None` where TensorFlow moved it. (`GradientTape.
@@ -447,6 +485,59 @@ def _gradient_registry():
         )
         return None
     return registry
+
+
+# tf.data's own: it has no public walk of a pipeline's transformations,
+# and keeps what each was made from, and with, under private attributes.
+# Checked on TensorFlow 2.16 and 2.21.
+
+
+def dataset_inputs(dataset) -> list:
+    """The datasets a `tf.data` transformation reads; none for a source.
+    Checked: `_input_dataset` (one input), `_datasets` (`zip`,
+    `concatenate`, `choose_from_datasets`); gone: `[]`, after a warning,
+    and every pipeline is read as if it were its last transformation."""
+    import tensorflow as tf
+
+    if not _dataset_walk_works():
+        return []
+    inputs = getattr(dataset, "_datasets", None)
+    found = list(tf.nest.flatten(inputs)) if inputs else []
+    parent = getattr(dataset, "_input_dataset", None)
+    if parent is not None:
+        found.append(parent)
+    return found
+
+
+@functools.cache
+def _dataset_walk_works() -> bool:
+    import tensorflow as tf
+
+    source = tf.data.Dataset.range(2)
+    if getattr(source.batch(1), "_input_dataset", None) is None:
+        _moved(
+            "tf.data.Dataset._input_dataset",
+            "batched pipelines are not recognised: pass batches through "
+            "`batch_size=None` and unbatched data with `batch_size`.",
+            library="tensorflow",
+        )
+        return False
+    return True
+
+
+def transformation_argument(dataset, name: str):
+    """An argument a `tf.data` transformation was made with:
+    `batch_size` and `drop_remainder` of a batching, `buffer_size` of a
+    prefetch. Checked: the attribute `_<name>`; gone: `None`, after a
+    warning, and what it would tell is taken as unknown."""
+    value = getattr(dataset, f"_{name}", None)
+    if value is None:
+        _moved(
+            f"{type(dataset).__name__}._{name}",
+            "it is taken as unknown.",
+            library="tensorflow",
+        )
+    return value
 
 
 # Keras' own, for `AccumulatingModel` built as `Model(inputs, outputs)`

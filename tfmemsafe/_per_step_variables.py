@@ -26,7 +26,8 @@ alone (`SWAPPING_HEURISTICS`). The cost is the rewrite's saving, where it
 applied: a transformer step at batch 64 and length 216 peaked at 298 MiB
 instead of 278 MiB. TensorFlow has no public switch for it, so this sets
 the thread's function call options (`tensorflow.python.eager.context`,
-private); where they are missing it changes nothing and says so once.
+private, read in `_compat`); where they are missing it changes nothing
+and says so once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import tensorflow as tf
 from absl import logging
+
+from tfmemsafe import _compat
 
 # Per thread, as TensorFlow's function call options are: how many scopes
 # are open, the options found before the first, and the ones it set.
@@ -63,23 +67,17 @@ def without_per_step_variables():
             found, changed = _SCOPES.found, _SCOPES.set
             _SCOPES.found = _SCOPES.set = None
             if changed is not None and _unchanged_since(changed):
-                _context().function_call_options = found
+                _compat.set_function_call_options(found)
 
 
 def _unchanged_since(changed) -> bool:
     """Whether the thread's options are still the ones set (or a copy of
     them, as TensorFlow's `function_executor_type` puts back)."""
-    current = _context().function_call_options
+    current = _compat.function_call_options()
     return (
         current.executor_type == changed.executor_type
         and current.config_proto_serialized == changed.config_proto_serialized
     )
-
-
-def _context():
-    from tensorflow.python.eager import context
-
-    return context.context()
 
 
 def _set_options():
@@ -87,25 +85,22 @@ def _set_options():
     `None` when nothing was changed."""
     global _warned
     try:
-        from tensorflow.core.protobuf import config_pb2
-        from tensorflow.core.protobuf import rewriter_config_pb2
-        from tensorflow.python.eager import context as context_lib
-
-        context = _context()
-        found = context.function_call_options
-        config = config_pb2.ConfigProto.FromString(
+        found = _compat.function_call_options()
+        if found is None:
+            return None, None  # Said by `_compat`.
+        config = tf.compat.v1.ConfigProto.FromString(
             found.config_proto_serialized
         )
-        rewriter = rewriter_config_pb2.RewriterConfig
         options = config.graph_options.rewrite_options
+        rewriter = type(options)
         if options.memory_optimization != rewriter.DEFAULT_MEM_OPT:
             # Set by the user (TensorFlow 1's session config): theirs.
             return found, None
         options.memory_optimization = rewriter.SWAPPING_HEURISTICS
-        changed = context_lib.FunctionCallOptions(
-            executor_type=found.executor_type, config_proto=config
+        changed = _compat.make_function_call_options(
+            found.executor_type, config
         )
-        context.function_call_options = changed
+        _compat.set_function_call_options(changed)
     except (ImportError, AttributeError, TypeError, ValueError) as error:
         if not _warned:
             _warned = True

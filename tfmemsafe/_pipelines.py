@@ -1,51 +1,72 @@
 """What a `tf.data` pipeline's own graph says about it.
 
 tf.data has no public walk of a pipeline's transformations; these read
-the `_input_dataset` and `_datasets` attributes every transformation
-keeps, to tell whether a pipeline batches (and at what size), how many
-samples a batched one holds, and whether its order is the same at each
-iteration (a shuffle that reshuffles is not; nor a pipeline that lets
-tf.data trade order for speed).
+it through `_compat`, to tell whether a pipeline batches (and at what
+size) and how many samples a batched one holds, and to hand a pipeline
+to Keras in a form that raises, rather than ends the process, when
+memory runs out.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tensorflow as tf
 
-# `tf.data` transformations that batch or unbatch their input, by class.
-_BATCHING = (
-    "_BatchDataset",
-    "_PaddedBatchDataset",
-    "_ParallelBatchDataset",
-    "_RebatchDataset",
-)
-_UNBATCHING = ("_UnbatchDataset",)
+from tfmemsafe import _compat
+
+
+@functools.cache
+def _transformations() -> dict:
+    """The `tf.data.Dataset` method that makes each transformation class
+    tfmemsafe reads, from datasets made by those public methods (tf.data
+    does not export the classes)."""
+    source = tf.data.Dataset.range(2)
+    made = {
+        "batch": [source.batch(1), source.batch(1, num_parallel_calls=2)],
+        "padded_batch": [source.padded_batch(1)],
+        "rebatch": [source.batch(2).rebatch(1)],
+        "unbatch": [source.batch(1).unbatch()],
+        "group_by_window": [
+            source.group_by_window(lambda x: x, lambda _, w: w, 1)
+        ],
+        "prefetch": [source.prefetch(1)],
+        "options": [source.with_options(tf.data.Options())],
+    }
+    return {type(d): name for name, ds in made.items() for d in ds}
+
+
+def transformation(dataset) -> str | None:
+    """The `tf.data.Dataset` method that made `dataset` (`"batch"`,
+    `"padded_batch"`, `"rebatch"`, `"unbatch"`, `"group_by_window"`,
+    `"prefetch"`, `"options"`), or `None` for any other."""
+    return _transformations().get(type(dataset))
 
 
 def batching_of(dataset) -> tuple[bool, int | None]:
     """Whether a dataset's pipeline batches, and the batch size if known."""
     node = dataset
     while node is not None:
-        name = type(node).__name__
-        if name in _BATCHING:
-            size = getattr(node, "_batch_size", None)
-            try:
-                return True, int(size) if size is not None else None
-            except TypeError:
-                return True, None
-        if name in _UNBATCHING:
+        kind = transformation(node)
+        if kind in ("batch", "padded_batch"):
+            size = tf.get_static_value(
+                _compat.transformation_argument(node, "batch_size")
+            )
+            return True, None if size is None else int(size)
+        if kind == "rebatch":
+            return True, None
+        if kind == "unbatch":
             return False, None
-        if name == "_GroupByWindowDataset" and _adds_an_axis(node):
+        if kind == "group_by_window" and _adds_an_axis(node):
             return True, None  # `bucket_by_sequence_length`'s batches.
-        inputs = getattr(node, "_datasets", None)  # zip and similar
-        if inputs:
-            found = [batching_of(d) for d in tf.nest.flatten(inputs)]
+        inputs = _compat.dataset_inputs(node)
+        if len(inputs) > 1:  # zip and similar
+            found = [batching_of(d) for d in inputs]
             sizes = {size for _, size in found}
             batched = all(b for b, _ in found)
             return batched, sizes.pop() if batched and len(sizes) == 1 else None
-        node = getattr(node, "_input_dataset", None)
+        node = inputs[0] if inputs else None
     return False, None
 
 
@@ -53,7 +74,10 @@ def _adds_an_axis(node) -> bool:
     """Whether a `group_by_window` batches its windows (its elements have
     an axis more than its input's) rather than only grouping them."""
     out = tf.nest.flatten(node.element_spec)
-    into = tf.nest.flatten(node._input_dataset.element_spec)  # noqa: SLF001
+    inner = _input_of(node)
+    if inner is None:
+        return False
+    into = tf.nest.flatten(inner.element_spec)
     return (
         len(out) == len(into)
         and out[0].shape.rank is not None
@@ -69,36 +93,23 @@ def rows_of_batched(dataset) -> int | None:
     the batches count matches it (no `filter` after the batching, say).
     """
     batches = int(dataset.cardinality())
-    for node in dataset_nodes(dataset):
-        if type(node).__name__ != "_BatchDataset":
+    for node in _nodes(dataset):
+        if transformation(node) != "batch":
             continue
-        rows = int(node._input_dataset.cardinality())  # noqa: SLF001
-        size = int(node._batch_size)  # noqa: SLF001
-        drop = bool(node._drop_remainder)  # noqa: SLF001
-        if rows < 0 or drop:
+        inner = _input_of(node)
+        if inner is None:
             return None
-        return rows if math.ceil(rows / size) == batches else None
+        rows = int(inner.cardinality())
+        size = tf.get_static_value(
+            _compat.transformation_argument(node, "batch_size")
+        )
+        drop = tf.get_static_value(
+            _compat.transformation_argument(node, "drop_remainder")
+        )
+        if rows < 0 or size is None or drop is None or bool(drop):
+            return None
+        return rows if math.ceil(rows / int(size)) == batches else None
     return None
-
-
-def is_deterministic(dataset) -> bool:
-    """Whether a dataset's order is the same at each new iteration."""
-    if dataset.options().deterministic is False:
-        return False
-    # A shuffle that reshuffles gives a new order at each iteration.
-    return not any(
-        getattr(node, "_reshuffle_each_iteration", True)
-        for node in dataset_nodes(dataset)
-        if type(node).__name__ == "_ShuffleDataset"
-    )
-
-
-def shuffle_seeds(dataset) -> list:
-    return [
-        (int(node._seed), int(node._seed2))  # noqa: SLF001
-        for node in dataset_nodes(dataset)
-        if type(node).__name__ == "_ShuffleDataset"
-    ]
 
 
 def for_keras(dataset, *, one_worker: bool):
@@ -138,15 +149,15 @@ def for_keras(dataset, *, one_worker: bool):
     """
     optimization = dataset.options().experimental_optimization
     node = dataset
-    while type(node).__name__ == "_OptionsDataset":
-        node = getattr(node, "_input_dataset", None)
-    inner = getattr(node, "_input_dataset", None)
-    buffer_size = tf.get_static_value(getattr(node, "_buffer_size", None))
-    if (
-        type(node).__name__ == "_PrefetchDataset"
-        and inner is not None
-        and buffer_size is not None
-    ):
+    while transformation(node) == "options" and _input_of(node) is not None:
+        node = _input_of(node)
+    inner = _input_of(node)
+    buffer_size = None
+    if transformation(node) == "prefetch":
+        buffer_size = tf.get_static_value(
+            _compat.transformation_argument(node, "buffer_size")
+        )
+    if inner is not None and buffer_size is not None:
         options = dataset.options()
         dataset = passed_through(inner).prefetch(int(buffer_size))
         dataset = dataset.with_options(options)
@@ -185,20 +196,19 @@ def passed_through(dataset):
     return dataset.map(tf.autograph.experimental.do_not_convert(lambda p: p))
 
 
-def dataset_nodes(dataset):
+def _input_of(node):
+    """The one dataset a transformation reads, or `None`."""
+    inputs = _compat.dataset_inputs(node)
+    return inputs[0] if len(inputs) == 1 else None
+
+
+def _nodes(dataset):
     """The transformations of a pipeline, from the last to the sources."""
-    # tf.data has no public graph walk: `_input_dataset` and `_datasets`
-    # are the attributes `_batching_of` reads too.
     pending = [dataset]
     while pending:
         node = pending.pop()
         yield node
-        inputs = getattr(node, "_datasets", None)
-        if inputs:
-            pending.extend(tf.nest.flatten(inputs))
-        parent = getattr(node, "_input_dataset", None)
-        if parent is not None:
-            pending.append(parent)
+        pending.extend(_compat.dataset_inputs(node))
 
 
 def padded_to_each_batch(spec) -> bool:

@@ -323,16 +323,6 @@ class StepGuard:
         """Whether an update of the failed step may have begun."""
         return bool(self._touched.numpy())
 
-    def metric_values(self) -> list:
-        """Host copies of the metric variables, to carry into a new call."""
-        return [v.numpy() for v in self.model.metrics_variables]
-
-    def set_metric_values(self, values) -> None:
-        for variable, value in zip(
-            self.model.metrics_variables, values, strict=True
-        ):
-            variable.assign(value)
-
 
 def _with_inner(optimizers) -> list:
     """The optimizers and those they wrap (`LossScaleOptimizer`'s)."""

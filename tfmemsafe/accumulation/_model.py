@@ -297,28 +297,7 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
             if isinstance(value, GradientAccumulator)
         ]
 
-    def _carry_partial_window(self, ratio: float) -> None:
-        """Keeps the partial windows through the next `fit` call's start.
-
-        `tfmemsafe.fit` calls it when it resumes an epoch mid-window with
-        `accumulation_steps` multiplied by `ratio`: the micro-batches done
-        count `ratio` times, as that many of the new, smaller ones.
-        """
-        for accumulator in self._accumulators():
-            if accumulator.built:
-                counter = accumulator._window.micro_batches
-                counter.assign(
-                    tf.cast(
-                        tf.round(tf.cast(counter, tf.float64) * ratio),
-                        tf.int64,
-                    )
-                )
-        self._keep_partial_windows = True
-
     def _discard_partial_windows(self) -> None:
-        if getattr(self, "_keep_partial_windows", False):
-            self._keep_partial_windows = False
-            return
         for accumulator in self._accumulators():
             pending = int(accumulator.pending_micro_batches)
             if pending:

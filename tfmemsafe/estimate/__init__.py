@@ -17,6 +17,7 @@ from tfmemsafe.estimate._probe import Probe
 from tfmemsafe.estimate._probe import data_held_on
 from tfmemsafe.estimate._probe import data_on
 from tfmemsafe.estimate._probe import devices_of
+from tfmemsafe.estimate._probe import gradient_bytes
 from tfmemsafe.estimate._probe import held_bytes
 from tfmemsafe.estimate._probe import state_bytes
 from tfmemsafe.estimate._result import largest_fitting
@@ -30,6 +31,7 @@ __all__ = [
     "devices_of",
     "estimate_memory",
     "estimate_source",
+    "gradient_bytes",
     "held_bytes",
     "largest_fitting",
     "resized_arguments",

@@ -197,6 +197,16 @@ def state_bytes(model) -> int:
         variables += optimizer.variables
     for accumulator in gradient_accumulators_of(model):
         variables += accumulator.state_variables()
+    return _bytes_of(variables)
+
+
+def gradient_bytes(model) -> int:
+    """Bytes of one gradient of every trainable variable of the model:
+    what a split's gradient sums take."""
+    return _bytes_of(model.trainable_variables)
+
+
+def _bytes_of(variables) -> int:
     seen, total = set(), 0
     for variable in variables:
         if id(variable) in seen:

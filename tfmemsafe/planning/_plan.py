@@ -17,7 +17,6 @@ import dataclasses
 import time
 
 import keras
-import numpy as np
 from absl import logging
 
 from tfmemsafe import _checks
@@ -245,7 +244,7 @@ def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
         why = "the device's memory limit is unknown"
         return [Candidate(1, rows, recompute, None, why, None)]
     planner = SizePlanner(planned, "tfmemsafe.plan", memory_estimate=True)
-    sums = _gradient_bytes(planned)
+    sums = estimate_lib.gradient_bytes(planned)
     candidates, fitting = [], 0
     micro = rows
     while micro >= 1 and fitting < _MEASURED_PER_MODEL:
@@ -311,11 +310,3 @@ def _chosen(candidates) -> Candidate:
 
 def _simplest_first(candidates) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (c.checkpointing, c.micro_batches))
-
-
-def _gradient_bytes(model) -> int:
-    """The bytes of one gradient of every trainable variable."""
-    return sum(
-        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-        for v in model.trainable_variables
-    )

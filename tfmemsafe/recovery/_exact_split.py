@@ -18,9 +18,6 @@ from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._held_batches import first_share
 
 OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
-# The class of `tf.distribute.get_strategy()` outside any strategy's scope;
-# TensorFlow exports no name for it.
-_NO_STRATEGY = "_DefaultDistributionStrategy"
 # Reductions that divide a loss by the rows of its batch (times any fixed
 # axes), so that micro-batches weighted by their rows add up to it.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -143,8 +140,10 @@ def _strategy_can_split(model) -> bool:
     (a synchronized `BatchNormalization`), which could not wait for the
     workers to agree."""
     strategy = model.distribute_strategy
-    if type(strategy).__name__ == _NO_STRATEGY:
-        return True
+    # The strategy outside every scope: a new graph has none entered.
+    with tf.Graph().as_default():
+        if type(strategy) is type(tf.distribute.get_strategy()):
+            return True
     if isinstance(strategy, tf.distribute.MirroredStrategy):
         return True
     if not distribute.is_multi_worker(strategy):

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from tfmemsafe import _compat
 from tfmemsafe import distribute
+from tfmemsafe import estimate
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.recovery._agreed_step import agree
 from tfmemsafe.recovery._agreed_step import update_name
@@ -138,10 +139,7 @@ class SplitBatch:
         taken now (none while a split's are kept)."""
         if self._sums:
             return 0
-        return sum(
-            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-            for v in self.model.trainable_variables
-        )
+        return estimate.gradient_bytes(self.model)
 
     def share_rows(self) -> list:
         """The rows of each replica's share of the open split's batch."""
