@@ -324,6 +324,15 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
         _fit_both(reference, model)
         self.assertLess(_max_difference(reference, model), 1e-5)
 
+    def test_unbuilt_subclassed_model_matches_large_batch(self):
+        reference = _functional()  # The same seeded layers.
+        reference.compile("adam", "mse")
+        model = SubclassedModel(accumulation_steps=4)
+        model.compile("adam", "mse")
+        self.assertFalse(model.built)
+        _fit_both(reference, model)
+        self.assertLess(_max_difference(reference, model), 1e-5)
+
     def test_functional_construction_leaves_class_intact(self):
         bases_before = AccumulatingModel.__bases__
         model = _functional(AccumulatingModel, accumulation_steps=2)

@@ -158,9 +158,7 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
         return sum(int(a.skipped_windows) for a in self._accumulators())
 
     def train_step(self, data):
-        if not self.trainable_weights or (
-            self.accumulation_steps == 1 and self._update_unit is None
-        ):
+        if self.accumulation_steps == 1 and self._update_unit is None:
             return super().train_step(data)
         # Keras' own TensorFlow `train_step`, with `optimizer.apply`
         # replaced by accumulate-and-apply-when-full.
@@ -182,15 +180,17 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
                 _unscale_loss_for_distribution(loss), sample_weight=batch_size
             )
             loss = self.optimizer.scale_loss(loss)
+        # Read after the forward pass, which builds an unbuilt model.
         variables = self.trainable_weights
-        gradients = tape.gradient(loss, variables)
-        self._accumulator.accumulate(
-            gradients,
-            variables,
-            self._sample_count(batch_size, sample_weight),
-            size=self._size(x, batch_size),
-        )
-        self._accumulator.apply_if_ready(self.optimizer)
+        if variables:
+            gradients = tape.gradient(loss, variables)
+            self._accumulator.accumulate(
+                gradients,
+                variables,
+                self._sample_count(batch_size, sample_weight),
+                size=self._size(x, batch_size),
+            )
+            self._accumulator.apply_if_ready(self.optimizer)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             logs["skipped_windows"] = self._accumulator.skipped_windows
