@@ -1,4 +1,5 @@
-"""Tests for tfmemsafe._model_state: a model's state on disk, put back."""
+"""Tests for tfmemsafe._model_state and _disk_copy: a model's state on
+disk, put back."""
 
 import os
 from unittest import mock
@@ -11,6 +12,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tfmemsafe import _disk_copy  # noqa: E402
 from tfmemsafe import _model_state  # noqa: E402
 
 
@@ -37,15 +39,15 @@ def _state(model):
 
 
 def _saved_then_overwritten(model):
-    """The model's values, and a `Snapshot` of them; then overwrites them."""
+    """The model's values, and a `ModelState` of them; then overwrites them."""
     saved = [v.numpy() for v in _state(model)]
-    snapshot = _model_state.Snapshot(model)
+    snapshot = _model_state.ModelState(model)
     for variable in _state(model):
         variable.assign(tf.ones_like(variable))
     return saved, snapshot
 
 
-class SnapshotTest(tf.test.TestCase):
+class ModelStateTest(tf.test.TestCase):
     def test_puts_back_every_value_exactly(self):
         model = _conv_net()
         saved, snapshot = _saved_then_overwritten(model)
@@ -62,15 +64,15 @@ class SnapshotTest(tf.test.TestCase):
         for path, pieces, layout in snapshot.copy.files:
             contents = tf.io.read_file(path)
             for piece, place in zip(pieces, layout, strict=True):
-                value = _model_state._decode(contents, piece[0], place)
+                value = _disk_copy._decode(contents, piece[0], place)
                 size = value.dtype.size * value.shape.num_elements()
                 largest = max(largest, size)
-                _model_state._put(value, piece)
+                _disk_copy._put(value, piece)
         snapshot.close()
         for variable, value in zip(_state(model), saved, strict=True):
             self.assertAllEqual(variable.numpy(), value)
         # The conv kernel and its moments are cut in pieces of 1 MiB.
-        self.assertLessEqual(largest, _model_state._PIECE_BYTES)
+        self.assertLessEqual(largest, _disk_copy._PIECE_BYTES)
 
     def test_every_kind_of_value_comes_back(self):
         # Types `decode_raw` makes, one it does not (through bytes), and
@@ -84,7 +86,7 @@ class SnapshotTest(tf.test.TestCase):
             np.array([b"a", b"bc"]),
         ]
         variables = [tf.Variable(value) for value in values]
-        copy = _model_state._DiskCopy([(v, [v]) for v in variables])
+        copy = _disk_copy.DiskCopy([(v, [v]) for v in variables])
         for variable in variables:
             variable.assign(tf.zeros_like(variable))
         copy.restore()
@@ -104,8 +106,8 @@ class SnapshotTest(tf.test.TestCase):
                 raise OSError(22, "Invalid argument")
             return real_open(path, flags, *args)
 
-        with mock.patch.object(_model_state.os, "open", refusing):
-            copy = _model_state._DiskCopy([(variable, [variable])])
+        with mock.patch.object(_disk_copy.os, "open", refusing):
+            copy = _disk_copy.DiskCopy([(variable, [variable])])
         variable.assign(tf.zeros(10))
         copy.restore()
         copy.close()

@@ -14,7 +14,7 @@ from tensorflow.python.eager import context
 import tfmemsafe
 from tfmemsafe import _per_step_variables
 from tfmemsafe import testing
-from tfmemsafe.recovery import _retry
+from tfmemsafe.planning import _retry
 
 _REWRITER = rewriter_config_pb2.RewriterConfig
 

@@ -25,7 +25,7 @@ from absl.testing import parameterized  # noqa: E402
 import tfmemsafe  # noqa: E402
 from tfmemsafe import memory  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
-from tfmemsafe.recovery import _planner  # noqa: E402
+from tfmemsafe.planning import _size_planner as _planner  # noqa: E402
 
 # Under this cap the conv net trains at 512 (173 MiB at the peak) and runs
 # out at 1024.
@@ -294,7 +294,7 @@ def _predicted_beside_the_data(data_mib):
     estimate whose probes counted them: before and after the run's
     tensors are made, and what is in use then."""
     from tfmemsafe import _sources
-    from tfmemsafe.recovery import _planner
+    from tfmemsafe.planning import _size_planner as _planner
 
     x = np.ones((data_mib * 2**18, 1), "float64")  # Cast: a copy.
     source = _sources.source_for((x, x), "x", labelled=True)

@@ -31,11 +31,11 @@ from tfmemsafe.memory import reset_peak_memory
 from tfmemsafe.monitor import MemoryMonitor
 from tfmemsafe.planning import MemoryPlan
 from tfmemsafe.planning import plan
-from tfmemsafe.recovery import evaluate
-from tfmemsafe.recovery import find_max_batch_size
-from tfmemsafe.recovery import fit
+from tfmemsafe.training import evaluate
+from tfmemsafe.planning import find_max_batch_size
+from tfmemsafe.training import fit
 from tfmemsafe.recovery import SplitBatchOnOOM
-from tfmemsafe.recovery import predict
+from tfmemsafe.training import predict
 from tfmemsafe.runtime import RuntimeConfig
 from tfmemsafe.runtime import configure
 from tfmemsafe.runtime import runtime_config

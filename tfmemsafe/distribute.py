@@ -11,6 +11,7 @@ strategy at all; `tfmemsafe.AccumulatingModel` can (see
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -170,3 +171,32 @@ _STOPPED = "Out of memory on worker"
 # the same step (a training step run as `recovery._agreed_step.AgreedStep`
 # runs it): the index of the worker that ran out.
 AGREED_WORKER = "tfmemsafe_worker"
+
+
+def gathered(strategy, figures) -> np.ndarray:
+    """Every replica's `figures`, one row each, on every worker.
+
+    Through the strategy's own all-reduce (`Strategy.reduce`), eagerly.
+
+    Args:
+        strategy: The `MultiWorkerMirroredStrategy` (or any strategy).
+        figures: A 1-D sequence of numbers, of the same length on every
+            worker (exact up to 2**53).
+
+    Returns:
+        An array of `num_replicas_in_sync` rows; the replicas of one
+        worker hold the same row.
+    """
+    row = np.asarray(figures, np.float64).reshape(-1)
+    replicas = strategy.num_replicas_in_sync
+
+    def rows(context):
+        table = np.zeros((replicas, row.size), np.float64)
+        table[context.replica_id_in_sync_group] = row
+        return tf.constant(table)
+
+    return strategy.reduce(
+        tf.distribute.ReduceOp.SUM,
+        strategy.experimental_distribute_values_from_function(rows),
+        axis=None,
+    ).numpy()

@@ -358,3 +358,22 @@ def _first_tensor(x):
 def _unscale_loss_for_distribution(loss):
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     return loss * replicas if replicas > 1 else loss
+
+
+def accumulation_steps_of(model) -> int | None:
+    """The model's `accumulation_steps`, or `None` if it has none, or if
+    its windows close at a number of samples or tokens (which a smaller
+    batch keeps by itself)."""
+    if window_closes_by_size(model):
+        return None
+    steps = getattr(model, "accumulation_steps", None)
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        return steps
+    return None
+
+
+def window_closes_by_size(model) -> bool:
+    """Whether the model's windows close at a number of samples or tokens
+    (`AccumulatingModel(samples_per_update=...)`), whatever the batch."""
+    accumulator = getattr(model, "gradient_accumulator", None)
+    return getattr(accumulator, "update_size", None) is not None

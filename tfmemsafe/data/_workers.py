@@ -28,39 +28,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import distribute
 from tfmemsafe.data import _lengths
 
 
 def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
-    """Every replica's `figures`, one row each, on every worker.
+    """`distribute.gathered`, and whether any worker's planning failed.
 
     Args:
         strategy: The `MultiWorkerMirroredStrategy`.
         figures: A 1-D sequence of numbers, of the same length on every
-            worker (exact up to 2**53).
+            worker.
         failed: bool. This worker's planning raised: its row says so
             (in a last column), so that the others raise too.
-
-    Returns:
-        An array of `num_replicas_in_sync` rows; the replicas of one
-        worker hold the same row.
 
     Raises:
         RuntimeError: If another worker's planning failed.
     """
     row = np.append(np.asarray(figures, np.float64).reshape(-1), float(failed))
-    replicas = strategy.num_replicas_in_sync
-
-    def rows(context):
-        table = np.zeros((replicas, row.size), np.float64)
-        table[context.replica_id_in_sync_group] = row
-        return tf.constant(table)
-
-    table = strategy.reduce(
-        tf.distribute.ReduceOp.SUM,
-        strategy.experimental_distribute_values_from_function(rows),
-        axis=None,
-    ).numpy()
+    table = distribute.gathered(strategy, row)
     if not failed and table[:, -1].any():
         raise RuntimeError(
             "`memory_buckets` stopped: another worker of the job could not "

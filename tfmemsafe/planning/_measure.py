@@ -18,7 +18,7 @@ from tfmemsafe._model_state import ModelState
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.planning._memory_plan import Candidate
-from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
+from tfmemsafe.recovery import SplitBatchOnOOM
 
 
 def measure(

@@ -8,7 +8,7 @@ import weakref
 import keras
 
 from tfmemsafe._messages import mib
-from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
+from tfmemsafe.recovery import SplitBatchOnOOM
 
 
 @dataclasses.dataclass(frozen=True)

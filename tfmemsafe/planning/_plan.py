@@ -23,15 +23,15 @@ from tfmemsafe import _checks
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe import memory
+from tfmemsafe._keras_data import check_kind
+from tfmemsafe._keras_data import is_iterable_only
+from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sources import source_for
 from tfmemsafe.planning._measure import measure
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._memory_plan import MemoryPlan
+from tfmemsafe.planning._size_planner import SizePlanner
 from tfmemsafe.planning._variants import checkpointed
-from tfmemsafe.recovery._keras_data import check_kind
-from tfmemsafe.recovery._keras_data import is_iterable_only
-from tfmemsafe.recovery._keras_data import unpacked
-from tfmemsafe.recovery._planner import SizePlanner
 
 # Step times this close are one speed, on a machine whose load moves
 # them: the simpler candidate is chosen.

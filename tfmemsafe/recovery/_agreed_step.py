@@ -37,7 +37,8 @@ import tensorflow as tf
 
 from tfmemsafe import distribute
 from tfmemsafe import memory
-from tfmemsafe.data._workers import gathered
+from tfmemsafe.accumulation import accumulation_steps_of
+from tfmemsafe.accumulation import window_closes_by_size
 
 
 class AgreedStep:
@@ -195,7 +196,7 @@ def agree(strategy, failure: BaseException | None) -> None:
         memory".
     """
     ran_out = failure is not None and memory.is_oom_error(failure)
-    table = gathered(
+    table = distribute.gathered(
         strategy, [float(ran_out), float(failure is not None and not ran_out)]
     )
     if not table.any():
@@ -226,30 +227,13 @@ def agree(strategy, failure: BaseException | None) -> None:
     raise error
 
 
-def accumulation_steps_of(model) -> int | None:
-    """The model's `accumulation_steps`, or `None` if it has none, or if
-    its windows close at a number of samples or tokens (which a smaller
-    batch keeps by itself)."""
-    if window_closes_by_size(model):
-        return None
-    steps = getattr(model, "accumulation_steps", None)
-    if isinstance(steps, int) and not isinstance(steps, bool):
-        return steps
-    return None
-
-
-def window_closes_by_size(model) -> bool:
-    """Whether the model's windows close at a number of samples or tokens
-    (`AccumulatingModel(samples_per_update=...)`), whatever the batch."""
-    accumulator = getattr(model, "gradient_accumulator", None)
-    return getattr(accumulator, "update_size", None) is not None
-
-
 def agreed_rows(strategy, rows: int | None) -> int | None:
     """The fewest micro-batch rows any worker asked for (`None`, the whole
     batch or none at all, if any asked for `None`), on every worker: each
     measures its own memory, and all must split alike."""
-    fewest = int(gathered(strategy, [0 if rows is None else rows])[:, 0].min())
+    fewest = int(
+        distribute.gathered(strategy, [0 if rows is None else rows])[:, 0].min()
+    )
     return None if fewest == 0 else fewest
 
 
@@ -258,7 +242,7 @@ def agreed_sizes(strategy, rows: int, grown: int | None, piece: int):
     any worker's share (so that all take the whole-batch step or all
     split), the fewest rows to grow back to (`None` if any stays), and
     the fewest rows of a micro-batch."""
-    table = gathered(strategy, [rows, grown or 0, piece])
+    table = distribute.gathered(strategy, [rows, grown or 0, piece])
     fewest_grown = int(table[:, 1].min())
     return (
         int(table[:, 0].max()),

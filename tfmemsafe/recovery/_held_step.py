@@ -19,9 +19,10 @@ import math
 
 from tfmemsafe import distribute
 from tfmemsafe import memory
+from tfmemsafe._unrecoverable import refuse_xla_on_cpu
+from tfmemsafe.accumulation import accumulation_steps_of
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._agreed_step import AgreedStep
-from tfmemsafe.recovery._agreed_step import accumulation_steps_of
 from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._agreed_step import agreed_sizes
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
@@ -38,7 +39,6 @@ from tfmemsafe.recovery._held_batches import without_optionals
 from tfmemsafe.recovery._micro_batch_size import DeviceReadings
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
 from tfmemsafe.recovery._model_steps import ModelSteps
-from tfmemsafe.recovery._retry import refuse_xla_on_cpu
 from tfmemsafe.recovery._run_record import RunRecord
 from tfmemsafe.recovery._run_record import in_the_update
 from tfmemsafe.recovery._run_record import not_split

@@ -18,23 +18,21 @@ from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe import planning
+from tfmemsafe._keras_data import chained_cause
+from tfmemsafe._keras_data import check_kind
+from tfmemsafe._keras_data import is_iterable_only
+from tfmemsafe._keras_data import keras_data
+from tfmemsafe._keras_data import padded_batches
+from tfmemsafe._keras_data import unpacked
+from tfmemsafe._keras_data import varies_in_length
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._sources import source_for
+from tfmemsafe.accumulation import accumulation_steps_of
 from tfmemsafe.history import FitHistory
 from tfmemsafe.history import OOMEvent
 from tfmemsafe.history import fit_history_of
 from tfmemsafe.monitor import monitors_first
-from tfmemsafe.recovery._agreed_step import accumulation_steps_of
-from tfmemsafe.recovery._batch_search import find_max_batch_size
-from tfmemsafe.recovery._keras_data import chained_cause
-from tfmemsafe.recovery._keras_data import check_kind
-from tfmemsafe.recovery._keras_data import is_iterable_only
-from tfmemsafe.recovery._keras_data import keras_data
-from tfmemsafe.recovery._keras_data import padded_batches
-from tfmemsafe.recovery._keras_data import unpacked
-from tfmemsafe.recovery._keras_data import varies_in_length
-from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
-from tfmemsafe.recovery._planner import SizePlanner
+from tfmemsafe.recovery import SplitBatchOnOOM
 
 
 def fit(
@@ -324,7 +322,7 @@ def _auto(model, x, y, validation_data, memory_estimate):
             "cannot be batched again. Pass the unbatched examples: they are "
             f"then batched by length buckets. Received: x={x!r:.80}"
         )
-    batch_size = find_max_batch_size(
+    batch_size = planning.find_max_batch_size(
         model, x if y is None else (x, y), memory_estimate=memory_estimate
     )
     logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
@@ -338,7 +336,7 @@ def _preflight(model, data, rows, floor, history, epoch) -> int | None:
     source = source_for(
         data, "x", labelled=True, strategy=model.distribute_strategy
     )
-    planner = SizePlanner(model, "tfmemsafe.fit", memory_estimate=True)
+    planner = planning.SizePlanner(model, "tfmemsafe.fit", memory_estimate=True)
     halvings, predicted = planner.halvings(
         "training", source, rows, floor, largest_probe=max(1, rows // 2)
     )

@@ -12,14 +12,14 @@ from absl import logging
 from tfmemsafe import _checks
 from tfmemsafe import _messages
 from tfmemsafe import memory
-from tfmemsafe._model_state import Snapshot
+from tfmemsafe._model_state import ModelState
 from tfmemsafe._sources import DEFAULT_BATCH_SIZE
 from tfmemsafe._sources import source_for
+from tfmemsafe._unrecoverable import ModelUnusableError
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.recovery._planner import SizePlanner
-from tfmemsafe.recovery._retry import ModelUnusableError
-from tfmemsafe.recovery._retry import release
-from tfmemsafe.recovery._retry import retry_on_oom
+from tfmemsafe.planning._retry import release
+from tfmemsafe.planning._retry import retry_on_oom
+from tfmemsafe.planning._size_planner import SizePlanner
 
 _DEFAULT_MAX_BATCH_SIZE = 4096
 
@@ -189,7 +189,7 @@ class _Trial:
         self.tried = []
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
-        self.snapshot = Snapshot(model)
+        self.snapshot = ModelState(model)
         self.history = getattr(model, "history", None)
         with model.distribute_strategy.scope():
             self.devices = memory.default_devices()

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import keras
 
 from tfmemsafe import _checks
+from tfmemsafe._keras_data import chained_cause
+from tfmemsafe._keras_data import check_kind
+from tfmemsafe._keras_data import keras_data
+from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe.monitor import monitors_first
-from tfmemsafe.recovery._keras_data import chained_cause
-from tfmemsafe.recovery._keras_data import check_kind
-from tfmemsafe.recovery._keras_data import keras_data
-from tfmemsafe.recovery._keras_data import unpacked
-from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
+from tfmemsafe.recovery import SplitBatchOnOOM
 
 
 def evaluate(
