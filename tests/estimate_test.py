@@ -425,7 +425,7 @@ class ConvNetRepeatableTest(RepeatableTest):
 class FitEstimateRepeatableTest(tf.test.TestCase):
     """Five fresh processes make the estimate `fit` makes within 3%, on the
     32x32 conv net. It passed with the probes' batches made without the
-    run's prefetch; with them (as the run's own, `_sources.gathered`) it
+    run's prefetch; with them (as the run's own, `_arrays.gathered`) it
     read ±6.4% in its one run (docs/memory-estimate.md, "Repeatability");
     before the region, two processes of five read 198.7 and 255.0 MB
     where three agreed to 0.05%."""
@@ -755,6 +755,47 @@ def _estimate(**kwargs):
     return tfmemsafe.MemoryEstimate(**{**defaults, **kwargs})
 
 
+class ProgressTest(tf.test.TestCase):
+    def _estimate_printing(self, verbose):
+        import contextlib
+        import io
+
+        _needs_statistics(self)
+        model = testing.reference_model("mlp", (8,))
+        _compile(model)
+        x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+        y = (x[:, 0] > 0).astype("int32")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            try:
+                tfmemsafe.estimate_memory(
+                    model, (x, y), batch_sizes=[8, 16, 32], verbose=verbose
+                )
+            except tfmemsafe.MemoryEstimateError:
+                pass  # A flat line: every probe ran all the same.
+        return printed.getvalue()
+
+    def test_the_probes_show_a_progress_bar(self):
+        printed = self._estimate_printing(1)
+        self.assertIn(
+            "tfmemsafe: measuring the training step's memory", printed
+        )
+        self.assertIn("probe", printed)
+        self.assertIn("batch_size: 32", printed)
+        self.assertIn("peak_mib", printed)
+
+    def test_verbose_0_prints_nothing(self):
+        self.assertEqual(self._estimate_printing(0), "")
+
+    def test_a_bad_verbose_is_refused(self):
+        with self.assertRaisesRegex(ValueError, r"^`verbose` must be"):
+            tfmemsafe.estimate_memory(
+                testing.reference_model("mlp", (3,)),
+                (np.zeros((4, 3)), np.zeros(4)),
+                verbose="loud",
+            )
+
+
 class MemoryEstimateTest(parameterized.TestCase, tf.test.TestCase):
     def test_peak_bytes_follows_the_line(self):
         self.assertEqual(_estimate().peak_bytes(100), 200 * _MB)
@@ -1076,7 +1117,7 @@ class LengthProbesTest(tf.test.TestCase):
 
     def _measure(self, probe):
         from tfmemsafe._sources import source_for
-        from tfmemsafe.estimate import _estimate
+        from tfmemsafe.estimate import _lengths
 
         model, data = _reference("transformer")
         source = source_for(
@@ -1084,7 +1125,7 @@ class LengthProbesTest(tf.test.TestCase):
         )
         measurements = [probe.run(size) for size in (8, 32, 128, 256)]
         line = (5 * _MB, probe.per_sample(64))
-        return _estimate._measure_lengths(
+        return _lengths.measure_lengths(
             probe, model, source, _LENGTHS, measurements, line, 600 * _MB
         )
 
@@ -1132,15 +1173,15 @@ class ProbeSizesTest(tf.test.TestCase):
     """Where the default probes end: the largest size within the budget."""
 
     def _sizes(self, probe, limit=300 * _MB):
-        from tfmemsafe.estimate import _probe
+        from tfmemsafe.estimate import _probe_sizes
 
-        measurements = _probe.measure_default_sizes(
+        measurements = _probe_sizes.measure_default_sizes(
             probe, _Unbounded(), 1, {"CPU:0": limit}, None
         )
         return [size for size, _, _ in measurements]
 
     def test_a_size_over_the_budget_is_cut_to_fit_it(self):
-        from tfmemsafe.estimate import _probe
+        from tfmemsafe.estimate import _probe_sizes
 
         # A conv net's shape under a 300 MB cap: 256 is predicted past the
         # budget, so the last probe is the largest size within it.
@@ -1151,7 +1192,7 @@ class ProbeSizesTest(tf.test.TestCase):
         self.assertBetween(last, 160, 255)
         self.assertEqual(last % 8, 0)
         growth = probe.curve(last) - probe.curve(0)
-        self.assertLessEqual(growth, _probe.PROBE_BUDGET * 300 * _MB)
+        self.assertLessEqual(growth, _probe_sizes.PROBE_BUDGET * 300 * _MB)
 
     def test_readings_a_little_apart_end_the_probes_a_little_apart(self):
         # The same curve read 4% higher at 128: the last probe moves by a

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tfmemsafe
 from tfmemsafe import estimate as estimate_lib
-from tfmemsafe._sources import _tensor_bytes
+from tfmemsafe._arrays import tensor_bytes as _tensor_bytes
 from tfmemsafe._sources import source_for
 
 

@@ -94,6 +94,14 @@ def boolean(name: str, value) -> bool:
     return value
 
 
+def verbose(value) -> None:
+    """`verbose` as `model.fit` takes it: `"auto"`, 0, 1 or 2."""
+    if value not in ("auto", 0, 1, 2):
+        raise ValueError(
+            f"`verbose` must be 'auto', 0, 1 or 2. Received: verbose={value!r}"
+        )
+
+
 def model(value, name: str = "model") -> keras.Model:
     """Returns `value` if it is a `keras.Model`.
 

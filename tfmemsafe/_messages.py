@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+
+import keras
 
 # What to try when halving the batch was not enough. Shared by every error
 # and warning that tells a user their model does not fit.
@@ -47,3 +50,27 @@ def error_line(error: BaseException | str) -> str:
             if any(word in line for word in words):
                 return line[:_MAX_LINE]
     return lines[0][:_MAX_LINE] if lines else fallback
+
+
+def progress_bar(title: str, verbose, unit_name: str):
+    """A Keras progress bar of unknown length under a title line, for
+    work that runs before `fit`'s own bars; `None` when `verbose` is 0.
+
+    Args:
+        title: str. What is being done, printed once above the bar.
+        verbose: `"auto"`, 0, 1 or 2, as `model.fit` takes it (2: one
+            line when done).
+        unit_name: str. What one step of the bar is (`"probe"`).
+    """
+    if verbose == 0:
+        return None
+    # Keras' progress bars write to standard output; the title goes there
+    # too, so that it stands above its bar.
+    sys.stdout.write(f"{title}\n")
+    sys.stdout.flush()
+    return keras.utils.Progbar(
+        None,
+        verbose=2 if verbose == 2 else 1,
+        unit_name=unit_name,
+        stateful_metrics=("batch_size", "peak_mib"),
+    )

@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import _arrays
 from tfmemsafe import _checks
 from tfmemsafe import _pipelines
 from tfmemsafe import memory
@@ -73,11 +74,6 @@ def _source_for(data, argument: str, labelled: bool) -> Source:
         f"{arrays}. Received: {argument}={data!r:.80} of type "
         f"{type(data).__name__}"
     )
-
-
-def num_rows(structure) -> int:
-    """The length of the first dimension of a structure's first array."""
-    return int(keras.tree.flatten(structure)[0].shape[0])
 
 
 class Source:
@@ -181,14 +177,14 @@ class Arrays(Source):
             self.x, self.y, self.sample_weight = data, None, None
         self._tensors = None
         self._allocated = 0  # Of the tensors, the bytes in the allocator.
-        _check_cardinality(
+        _arrays.check_cardinality(
             argument,
             {"x": self.x, "y": self.y, "sample_weight": self.sample_weight},
         )
 
     @property
     def num_samples(self) -> int:
-        return num_rows(self.x)
+        return _arrays.num_rows(self.x)
 
     def tensors(self):
         """The arrays as host tensors, converted once for the whole run.
@@ -213,7 +209,9 @@ class Arrays(Source):
         if self._tensors is None:
             parts = (self.x, self.y, self.sample_weight)
             leaves = keras.tree.flatten(parts)
-            if not all(leaf is None or _is_dense(leaf) for leaf in leaves):
+            if not all(
+                leaf is None or _arrays.is_dense(leaf) for leaf in leaves
+            ):
                 self._tensors = False
             else:
                 before = _allocated_bytes()
@@ -222,7 +220,8 @@ class Arrays(Source):
                         None
                         if part is None
                         else keras.tree.map_structure(
-                            _host_tensor, keras.tree.lists_to_tuples(part)
+                            _arrays.host_tensor,
+                            keras.tree.lists_to_tuples(part),
                         )
                         for part in parts
                     )
@@ -266,7 +265,7 @@ class Arrays(Source):
         if full < len(rows):
             remainder = tf.data.Dataset.from_tensors(rows[full:])
             indices = indices.concatenate(remainder)
-        return gathered(indices, parts, one_worker=self.one_worker)
+        return _arrays.gathered(indices, parts, one_worker=self.one_worker)
 
     def _array_arguments(self, batch_size) -> dict:
         """The arrays themselves, for Keras to convert and slice."""
@@ -298,7 +297,9 @@ class Arrays(Source):
         if self._tensors:
             return self._allocated
         leaves = keras.tree.flatten((self.x, self.y, self.sample_weight))
-        return sum(_tensor_bytes(leaf) for leaf in leaves if leaf is not None)
+        return sum(
+            _arrays.tensor_bytes(leaf) for leaf in leaves if leaf is not None
+        )
 
     def resident_bytes_now(self) -> int:
         # Keras' own conversions last one call; tensors not made yet hold
@@ -407,105 +408,6 @@ class DatasetCallable(Source):
         if repeat:
             dataset = dataset.repeat()
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
-
-
-def cycled(parts, batch_size: int, steps: int, *, one_worker: bool, then=None):
-    """`steps` batches of `batch_size` rows of `parts` (a tuple of
-    structures of tensors) from the first row, wrapping round at the end,
-    made as the run's own are (`gathered`, with `then`): the probes'."""
-    rows = int(keras.tree.flatten(parts[0])[0].shape[0])
-    indices = tf.data.Dataset.range(rows).repeat()
-    indices = indices.batch(batch_size, drop_remainder=True).take(steps)
-    return gathered(indices, parts, one_worker=one_worker, then=then)
-
-
-def gathered(indices, parts, *, one_worker: bool, then=None):
-    """The batches of `parts` (a structure of tensors) at each element of
-    `indices` (a dataset of index vectors), as the run trains on them: a
-    parallel gather, in order, handed to Keras as tfmemsafe hands every
-    pipeline (`_pipelines.for_keras`: prefetched, tf.data's rewrites off).
-    `then`, if given, is applied to each gathered batch in the same
-    parallel map (before the prefetch, whose buffers then hold its result).
-
-    The tensors enter as a dataset's elements, not as a `map` function's
-    captures: a captured tensor is copied when an iterator is made (96 MiB
-    for 8192 32x32 images, under a cap where that copy ran out and the
-    process ended).
-    """
-    data = tf.data.Dataset.from_tensors(parts).repeat()
-
-    def gather(index, parts):
-        batch = keras.tree.map_structure(lambda t: tf.gather(t, index), parts)
-        return batch if then is None else then(batch)
-
-    dataset = tf.data.Dataset.zip((indices, data)).map(
-        tf.autograph.experimental.do_not_convert(gather),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,
-    )
-    return _pipelines.for_keras(dataset, one_worker=one_worker)
-
-
-def _check_cardinality(argument: str, parts: dict) -> None:
-    """Refuses arrays of different lengths, as `model.fit` does."""
-    sizes = {
-        name: sorted({num_rows(leaf) for leaf in keras.tree.flatten(part)})
-        for name, part in parts.items()
-        if part is not None
-    }
-    if len({size for found in sizes.values() for size in found}) > 1:
-        received = ", ".join(
-            f"{name} sizes: {', '.join(map(str, found))}"
-            for name, found in sizes.items()
-        )
-        raise ValueError(
-            "Data cardinality is ambiguous: the arrays of "
-            f"`{argument}` must all hold the same number of samples. "
-            f"Received: {received}"
-        )
-
-
-def _is_dense(leaf) -> bool:
-    """Whether `Arrays.tensors` converts `leaf` (else Keras slices it)."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.dtype != object or all(isinstance(e, str) for e in leaf)
-    return isinstance(leaf, tf.Tensor)  # Not sparse, not ragged.
-
-
-def _host_tensor(leaf):
-    """`leaf` as a tensor, floats cast to `floatx` as Keras casts them."""
-    tensor = tf.convert_to_tensor(leaf)
-    if tensor.dtype.is_floating and tensor.dtype.name != keras.config.floatx():
-        tensor = tf.cast(tensor, keras.config.floatx())
-    return tensor
-
-
-def _tensor_bytes(leaf) -> int:
-    """The bytes of `leaf` as `_host_tensor` (or Keras) converts it."""
-    nbytes = int(getattr(leaf, "nbytes", 0))
-    if hasattr(leaf, "dtypes") and hasattr(leaf, "size"):  # pandas
-        return int(leaf.size) * tf.as_dtype(keras.config.floatx()).size
-    if hasattr(leaf, "nnz"):  # SciPy's sparse: values and indices.
-        return int(leaf.nnz) * (leaf.dtype.itemsize + 8 * len(leaf.shape))
-    if isinstance(leaf, tf.SparseTensor):
-        return _tensor_bytes(leaf.values) + _tensor_bytes(leaf.indices)
-    if isinstance(leaf, tf.RaggedTensor):
-        return sum(_tensor_bytes(t) for t in leaf.nested_row_splits) + (
-            _tensor_bytes(leaf.flat_values)
-        )
-    dtype = getattr(leaf, "dtype", None)
-    shape = getattr(leaf, "shape", None)
-    if dtype is None or shape is None or None in tuple(shape):
-        return nbytes
-    try:
-        dtype = tf.as_dtype(dtype)
-    except TypeError:  # NumPy's object arrays.
-        return nbytes
-    if not dtype.size:  # Strings: their bytes are not the shape's.
-        return nbytes
-    if dtype.is_floating:
-        dtype = tf.as_dtype(keras.config.floatx())
-    return int(np.prod(tuple(shape), dtype=np.int64)) * dtype.size
 
 
 def _allocated_bytes() -> int | None:

@@ -246,6 +246,7 @@ def memory_buckets(
     multiple: int | None = None,
     headroom: float = HEADROOM,
     estimate: estimate_lib.MemoryEstimate | None = None,
+    verbose="auto",
 ) -> MemoryBuckets:
     """Length buckets for `dataset`, each with the largest batch that fits.
 
@@ -305,6 +306,9 @@ def memory_buckets(
             own): it is scaled to the job's global batch. Arrays it was
             made on are left out of its line (`data_bytes`): the buckets'
             pipeline does not hold them. Defaults to `None`.
+        verbose: `"auto"`, 0 or 1, as `model.fit` takes it: 1 (and
+            `"auto"`) shows a progress bar of the memory model's probes;
+            0 nothing. Defaults to `"auto"`.
 
     Returns:
         A `MemoryBuckets`; its `apply(dataset)` batches the data.
@@ -341,6 +345,7 @@ def memory_buckets(
             f"Received: max_batch_size={max_batch_size}"
         )
     headroom = _checks.fraction("headroom", headroom)
+    _checks.verbose(verbose)
     if max_tokens is not None:
         max_tokens = _checks.integer("max_tokens", max_tokens, 1)
     if estimate is not None:
@@ -383,6 +388,7 @@ def memory_buckets(
         multiple,
         headroom,
         max_tokens,
+        verbose,
     )
 
     arguments = (model, dataset, lengths, padded, counts, estimate, sizing)
@@ -431,6 +437,7 @@ def bucket_by_memory(
     estimate: estimate_lib.MemoryEstimate | None = None,
     padding_values=None,
     drop_remainder: bool = False,
+    verbose="auto",
 ) -> tf.data.Dataset:
     """`dataset` batched by length, each batch as large as memory allows.
 
@@ -452,6 +459,7 @@ def bucket_by_memory(
         multiple=multiple,
         headroom=headroom,
         estimate=estimate,
+        verbose=verbose,
     )
     return buckets.apply(
         dataset, padding_values=padding_values, drop_remainder=drop_remainder

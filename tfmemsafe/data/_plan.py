@@ -37,6 +37,7 @@ class Sizing:
     multiple: int
     headroom: float
     max_tokens: int | None = None
+    verbose: object = 0  # Of the probes' progress bar, as `model.fit`'s.
 
     def size_at(self, estimate, held: int, length: int) -> int:
         """The largest batch at `length` that leaves the headroom free
@@ -107,6 +108,7 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
             source,
             lengths=_probe_lengths(padded, base),
             probe_budget=_PROBE_BUDGET,
+            verbose=sizing.verbose,
         )
         first = _workers.global_estimate(first, replicas)
         # What else is in use than the model (and its copy, which is

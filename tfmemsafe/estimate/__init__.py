@@ -12,14 +12,14 @@ from tfmemsafe.estimate._estimate import MemoryEstimate
 from tfmemsafe.estimate._estimate import estimate_memory
 from tfmemsafe.estimate._estimate import estimate_source
 from tfmemsafe.estimate._graph import bound_terms
+from tfmemsafe.estimate._held import data_held_on
+from tfmemsafe.estimate._held import data_on
+from tfmemsafe.estimate._held import gradient_bytes
+from tfmemsafe.estimate._held import held_bytes
+from tfmemsafe.estimate._held import state_bytes
 from tfmemsafe.estimate._lengths import resized_arguments
 from tfmemsafe.estimate._probe import Probe
-from tfmemsafe.estimate._probe import data_held_on
-from tfmemsafe.estimate._probe import data_on
 from tfmemsafe.estimate._probe import devices_of
-from tfmemsafe.estimate._probe import gradient_bytes
-from tfmemsafe.estimate._probe import held_bytes
-from tfmemsafe.estimate._probe import state_bytes
 from tfmemsafe.estimate._result import largest_fitting
 
 __all__ = [

@@ -5,7 +5,7 @@ compiles it, at a few small batch sizes, reads the allocator's peak of
 each (the step's growth over what was in use, plus the model's counted
 state: the same in every process), and fits a line
 `peak = fixed + per_sample x batch` through the largest (past the floor
-that small batches share, see `_probe.measure_default_sizes`). With
+that small batches share, see `_probe_sizes.measure_default_sizes`). With
 `lengths`, it also probes samples made longer, and the per-sample part
 becomes a polynomial in the length (`_lengths`). The `MemoryEstimate` it
 returns predicts the peak at any batch size (and length) and the largest
@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from tfmemsafe import _checks
+from tfmemsafe import _messages
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
 from tfmemsafe._sources import source_for
@@ -26,19 +27,11 @@ from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.estimate import _graph
 from tfmemsafe.estimate import _lengths
 from tfmemsafe.estimate import _probe
+from tfmemsafe.estimate import _probe_sizes
 from tfmemsafe.estimate._result import MemoryEstimate
 
 # The probes the line's slope is fitted to: the largest three.
 _FITTED = 3
-# A length's second probe is at most this many times its first.
-_LENGTH_PROBE_SPAN = 4
-# What a length adds to the fixed part is extrapolated by the length's
-# steepest power (16 times at four times the length, for a transformer's
-# quadratic), so a pair of probes that makes it more than this share of
-# the first's growth is read again: one low reading of the second (252.8
-# MB where five other processes read 307.3, at 64 samples of 256 tokens)
-# made 26.6 MB at 256 tokens into 400 MB at 1024.
-_CONFIRMED_EXCESS = 0.05
 
 
 def estimate_memory(
@@ -48,6 +41,7 @@ def estimate_memory(
     batch_sizes=None,
     lengths=None,
     device=None,
+    verbose="auto",
 ) -> MemoryEstimate:
     """Measures the peak memory of a training step at a few batch sizes.
 
@@ -101,6 +95,9 @@ def estimate_memory(
         device: str or `tf.config.LogicalDevice`. The device to read.
             Defaults to `None`: the replica devices of the model's
             strategy, or `tfmemsafe.default_devices()`.
+        verbose: `"auto"`, 0 or 1, as `model.fit` takes it: 1 (and
+            `"auto"`) shows a progress bar of the probes, with each one's
+            batch size and peak; 0 shows nothing. Defaults to `"auto"`.
 
     Returns:
         A `MemoryEstimate`.
@@ -128,8 +125,14 @@ def estimate_memory(
         batch_sizes = _check_batch_sizes(batch_sizes, replicas)
     if lengths is not None:
         lengths = _check_lengths(lengths, source)
+    _checks.verbose(verbose)
     return estimate_source(
-        model, source, batch_sizes=batch_sizes, lengths=lengths, device=device
+        model,
+        source,
+        batch_sizes=batch_sizes,
+        lengths=lengths,
+        device=device,
+        verbose=verbose,
     )
 
 
@@ -142,8 +145,9 @@ def estimate_source(
     lengths: list[int] | None = None,
     largest: int | None = None,
     device=None,
-    probe_budget: float = _probe.PROBE_BUDGET,
+    probe_budget: float = _probe_sizes.PROBE_BUDGET,
     guarded: bool = False,
+    verbose=0,
 ) -> MemoryEstimate:
     """`estimate_memory` on a checked `_sources.Source`, for any phase.
 
@@ -169,6 +173,8 @@ def estimate_source(
             it, with the step guard's barrier and ordered updates (see
             `_step_guard`), where none is installed already. Defaults to
             `False`: the step as plain `model.fit` runs it.
+        verbose: `"auto"`, 0 or 1. A progress bar of the probes, as
+            `model.fit`'s. Defaults to 0.
 
     Returns:
         A `MemoryEstimate`.
@@ -178,10 +184,21 @@ def estimate_source(
     limits = _probe.check_statistics(devices)
     # Every process's allocator laid out alike before the probes read it.
     memory.reserve_one_region()
-    probe = _probe.Probe(model, source, devices, phase, limits, guarded=guarded)
+    progress = _messages.progress_bar(
+        f"tfmemsafe: measuring the {phase} step's memory", verbose, "probe"
+    )
+    probe = _probe.Probe(
+        model,
+        source,
+        devices,
+        phase,
+        limits,
+        guarded=guarded,
+        progress=progress,
+    )
     try:
         if batch_sizes is None:
-            measurements = _probe.measure_default_sizes(
+            measurements = _probe_sizes.measure_default_sizes(
                 probe, source, replicas, limits, largest, probe_budget
             )
         else:
@@ -197,13 +214,15 @@ def estimate_source(
             )
         second = {}
         if lengths:
-            free = _probe.free_bytes(probe, limits)
+            free = _probe_sizes.free_bytes(probe, limits)
             line = (fixed, per_sample)
-            second = _measure_lengths(
+            second = _lengths.measure_lengths(
                 probe, model, source, lengths, measurements, line, free
             )
     finally:
         probe.close()
+        if progress is not None:
+            progress.update(len(probe.tried), finalize=True)
     # The device whose peak was highest at the largest probe.
     device = measurements[-1][2]
     traced = _graph.per_sample_bytes(model, source.sample_inputs())
@@ -212,7 +231,7 @@ def estimate_source(
     split = replicas * getattr(model, "accumulation_steps", 1)
     largest_tensor = 0.0 if traced is None else traced.largest / split
     if lengths:
-        second["largest_tensor_lengths"] = _largest_at_lengths(
+        second["largest_tensor_lengths"] = _lengths.largest_at_lengths(
             model, source, lengths, split
         )
     estimate = MemoryEstimate(
@@ -228,115 +247,6 @@ def estimate_source(
     )
     logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)
     return estimate
-
-
-def _largest_at_lengths(model, source, lengths, split):
-    """`(length, bytes)`: the traced step's largest tensor per sample (of
-    the global batch, on one replica device) at each of `lengths`."""
-    pairs = []
-    for length in lengths:
-        traced = _graph.per_sample_bytes(model, source.sample_inputs(), length)
-        if traced is not None:
-            pairs.append((int(length), traced.largest / split))
-    return tuple(pairs)
-
-
-def _measure_lengths(probe, model, source, lengths, measurements, line, free):
-    """The per-sample and fixed parts' polynomials in the length.
-
-    At each length, two batch sizes: the first holds about half as many
-    elements as the largest probe of the data's own length (fewer, if the
-    length's power predicts it to grow the peak by more than `allowed`:
-    twice what the largest probe did, at most half the free memory); the
-    second is as large as the first's reading predicts to grow the peak
-    by `allowed`, two to `_LENGTH_PROBE_SPAN` times the first. The
-    length's per-sample part is what the second holds above the data's
-    length's `fixed`, per sample: its average, not the pair's slope, which
-    at 512 tokens came from batches of 1 and 2 and read 12 to 20 MiB a
-    sample where 7 samples held 18.6 each. What the first holds above
-    the line through the second is what the length adds to the fixed
-    part; where that is more than `_CONFIRMED_EXCESS` of the first's
-    growth, both probes are read again, and it must show in both
-    readings. (Where the polynomial falls below a probe, the estimate is
-    raised there: `MemoryEstimate.per_sample_bytes_at`.)
-    """
-    fixed, slope = line
-    base = _lengths.base_length(source)
-    powers = _graph.length_powers(model, source.sample_inputs(), base)
-    if powers is None:
-        raise MemoryEstimateError(
-            "Could not estimate memory at other lengths: the model could "
-            f"not be traced with inputs of another length than {base}."
-        )
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    top, top_peak, _ = measurements[-1]
-    grown = max(top_peak - measurements[0][1], slope * top)
-    allowed = 2 * grown if free is None else min(2 * grown, free / 2)
-    points, slopes, triples, excess = [base], [slope], [], [0.0]
-
-    def run(batch_size):
-        arguments = _lengths.resized_arguments(
-            source, batch_size, length, _probe._PROBE_STEPS
-        )
-        _, peak, _ = probe.run(batch_size, arguments)
-        triples.append((batch_size, length, peak))
-        return peak
-
-    for length in lengths:
-        ratio = (length / base) ** max(powers)
-        size = max(replicas, int(top * base / length) // 2)
-        # Predicted growth at `size`, by the steepest power the graph has.
-        while size > replicas and slope * size * ratio > allowed:
-            size //= 2
-        first = max(size - size % replicas, replicas)
-        low = run(first)
-        # Per sample at the first, with what the length adds to the fixed.
-        each = max(low - fixed, 1.0) / first
-        second = min(int(allowed / each), _LENGTH_PROBE_SPAN * first)
-        second = max(second - second % replicas, 2 * first)
-        while second > 2 * first and not probe.room_for(fixed + each * second):
-            second = max(second // 2 - second // 2 % replicas, 2 * first)
-        high = run(second)
-        average, added = _per_sample_and_added(
-            fixed, (first, low), (second, high)
-        )
-        if added > _CONFIRMED_EXCESS * max(low - fixed, 1.0):
-            # Each read again: the higher at the second (a step can reach
-            # it), the lower at the first (both must show what is added).
-            high = max(high, run(second))
-            low = min(low, run(first))
-            average, added = _per_sample_and_added(
-                fixed, (first, low), (second, high)
-            )
-        points.append(length)
-        slopes.append(average)
-        excess.append(max(added, 0.0))
-    coefficients = _lengths.fit_powers(points, slopes, powers)
-    fixed_coefficients = _lengths.fit_powers(
-        points, excess, powers, relative=False
-    )
-    if _lengths.polynomial(coefficients, base) <= 0:
-        raise MemoryEstimateError(
-            "Could not estimate memory at other lengths: the peak did not "
-            f"grow with the batch at length {base} "
-            f"(slopes {[round(s) for s in slopes]} bytes a sample)."
-        )
-    return {
-        "length": base,
-        "length_coefficients": coefficients,
-        "length_fixed_coefficients": fixed_coefficients,
-        "length_measurements": tuple(triples),
-    }
-
-
-def _per_sample_and_added(fixed, low, high) -> tuple[float, float]:
-    """`(per_sample, added)` of a length's pair of probes, `(size, peak)`
-    each: per sample, the average over the fixed part at the larger; added,
-    what the smaller holds beyond that (what the length adds to the fixed
-    part)."""
-    (first, low_peak), (second, high_peak) = low, high
-    per_sample = max(high_peak - fixed, 0.0) / second
-    return per_sample, low_peak - fixed - per_sample * first
 
 
 def _fit_line(sizes, peaks) -> tuple[float, float]:

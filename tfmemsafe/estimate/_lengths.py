@@ -18,8 +18,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import _arrays
 from tfmemsafe import _pipelines
 from tfmemsafe import _sources
+from tfmemsafe.errors import MemoryEstimateError
+from tfmemsafe.estimate import _graph
+from tfmemsafe.estimate import _probe
+
+# A length's second probe is at most this many times its first.
+_LENGTH_PROBE_SPAN = 4
+# What a length adds to the fixed part is extrapolated by the length's
+# steepest power (16 times at four times the length, for a transformer's
+# quadratic), so a pair of probes that makes it more than this share of
+# the first's growth is read again: one low reading of the second (252.8
+# MB where five other processes read 307.3, at 64 samples of 256 tokens)
+# made 26.6 MB at 256 tokens into 400 MB at 1024.
+_CONFIRMED_EXCESS = 0.05
 
 
 def base_length(source) -> int | None:
@@ -56,7 +70,7 @@ def _batches(source, batch_size: int, steps: int, resized):
             # The run's tensors, batched and resized in the run's own
             # parallel gather, before its prefetch (whose buffers then
             # hold batches at `length`, as the run's would).
-            return _sources.cycled(
+            return _arrays.cycled(
                 tuple(part for part in tensors if part is not None),
                 batch_size,
                 steps,
@@ -124,3 +138,110 @@ def fit_powers(lengths, slopes, powers, relative=True) -> tuple[float, ...]:
 def polynomial(coefficients, length) -> float:
     """`c0 + c1 l + c2 l^2` at `length`."""
     return sum(c * length**power for power, c in enumerate(coefficients))
+
+
+def largest_at_lengths(model, source, lengths, split):
+    """`(length, bytes)`: the traced step's largest tensor per sample (of
+    the global batch, on one replica device) at each of `lengths`."""
+    pairs = []
+    for length in lengths:
+        traced = _graph.per_sample_bytes(model, source.sample_inputs(), length)
+        if traced is not None:
+            pairs.append((int(length), traced.largest / split))
+    return tuple(pairs)
+
+
+def measure_lengths(probe, model, source, lengths, measurements, line, free):
+    """The per-sample and fixed parts' polynomials in the length.
+
+    At each length, two batch sizes: the first holds about half as many
+    elements as the largest probe of the data's own length (fewer, if the
+    length's power predicts it to grow the peak by more than `allowed`:
+    twice what the largest probe did, at most half the free memory); the
+    second is as large as the first's reading predicts to grow the peak
+    by `allowed`, two to `_LENGTH_PROBE_SPAN` times the first. The
+    length's per-sample part is what the second holds above the data's
+    length's `fixed`, per sample: its average, not the pair's slope, which
+    at 512 tokens came from batches of 1 and 2 and read 12 to 20 MiB a
+    sample where 7 samples held 18.6 each. What the first holds above
+    the line through the second is what the length adds to the fixed
+    part; where that is more than `_CONFIRMED_EXCESS` of the first's
+    growth, both probes are read again, and it must show in both
+    readings. (Where the polynomial falls below a probe, the estimate is
+    raised there: `MemoryEstimate.per_sample_bytes_at`.)
+    """
+    fixed, slope = line
+    base = base_length(source)
+    powers = _graph.length_powers(model, source.sample_inputs(), base)
+    if powers is None:
+        raise MemoryEstimateError(
+            "Could not estimate memory at other lengths: the model could "
+            f"not be traced with inputs of another length than {base}."
+        )
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    top, top_peak, _ = measurements[-1]
+    grown = max(top_peak - measurements[0][1], slope * top)
+    allowed = 2 * grown if free is None else min(2 * grown, free / 2)
+    points, slopes, triples, excess = [base], [slope], [], [0.0]
+
+    def run(batch_size):
+        arguments = resized_arguments(
+            source, batch_size, length, _probe.PROBE_STEPS
+        )
+        _, peak, _ = probe.run(batch_size, arguments)
+        triples.append((batch_size, length, peak))
+        return peak
+
+    for length in lengths:
+        ratio = (length / base) ** max(powers)
+        size = max(replicas, int(top * base / length) // 2)
+        # Predicted growth at `size`, by the steepest power the graph has.
+        while size > replicas and slope * size * ratio > allowed:
+            size //= 2
+        first = max(size - size % replicas, replicas)
+        low = run(first)
+        # Per sample at the first, with what the length adds to the fixed.
+        each = max(low - fixed, 1.0) / first
+        second = min(int(allowed / each), _LENGTH_PROBE_SPAN * first)
+        second = max(second - second % replicas, 2 * first)
+        while second > 2 * first and not probe.room_for(fixed + each * second):
+            second = max(second // 2 - second // 2 % replicas, 2 * first)
+        high = run(second)
+        average, added = _per_sample_and_added(
+            fixed, (first, low), (second, high)
+        )
+        if added > _CONFIRMED_EXCESS * max(low - fixed, 1.0):
+            # Each read again: the higher at the second (a step can reach
+            # it), the lower at the first (both must show what is added).
+            high = max(high, run(second))
+            low = min(low, run(first))
+            average, added = _per_sample_and_added(
+                fixed, (first, low), (second, high)
+            )
+        points.append(length)
+        slopes.append(average)
+        excess.append(max(added, 0.0))
+    coefficients = fit_powers(points, slopes, powers)
+    fixed_coefficients = fit_powers(points, excess, powers, relative=False)
+    if polynomial(coefficients, base) <= 0:
+        raise MemoryEstimateError(
+            "Could not estimate memory at other lengths: the peak did not "
+            f"grow with the batch at length {base} "
+            f"(slopes {[round(s) for s in slopes]} bytes a sample)."
+        )
+    return {
+        "length": base,
+        "length_coefficients": coefficients,
+        "length_fixed_coefficients": fixed_coefficients,
+        "length_measurements": tuple(triples),
+    }
+
+
+def _per_sample_and_added(fixed, low, high) -> tuple[float, float]:
+    """`(per_sample, added)` of a length's pair of probes, `(size, peak)`
+    each: per sample, the average over the fixed part at the larger; added,
+    what the smaller holds beyond that (what the length adds to the fixed
+    part)."""
+    (first, low_peak), (second, high_peak) = low, high
+    per_sample = max(high_peak - fixed, 0.0) / second
+    return per_sample, low_peak - fixed - per_sample * first

@@ -3,7 +3,7 @@
 `measure_default_sizes` chooses the probe sizes: from `_FIRST_PROBE`,
 quadrupling twice and then doubling, until the line is straight or the
 next probe would take too much of the memory the model's state leaves
-free. Each `Probe.run` trains (or evaluates, or predicts) `_PROBE_STEPS`
+free. Each `Probe.run` trains (or evaluates, or predicts) `PROBE_STEPS`
 steps and reads the peak of every step inside a `memory.PeakWindow`, so
 the peak outside the probes stays visible to a `MemoryMonitor`.
 
@@ -12,7 +12,7 @@ What makes a reading the same in every process, whatever ran before:
 - it is the step's growth over what was in use before the probe, plus
   the model's state counted from its variables: memory that something
   else holds (an earlier `fit`'s leftovers, a second model) is in neither;
-- it is the median of `_PROBE_STEPS` steps' peaks: TensorFlow's
+- it is the median of `PROBE_STEPS` steps' peaks: TensorFlow's
   executor runs independent ops in parallel, and the same step peaks
   differently from one run to the next (on CPUs without oneDNN, whether
   Eigen's convolution gradients' im2col buffers, up to 30 MB each, are
@@ -30,13 +30,13 @@ What makes a reading the same in every process, whatever ran before:
 from __future__ import annotations
 
 import gc
-import math
 
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _arrays
 from tfmemsafe import _sources
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
@@ -48,173 +48,13 @@ from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.estimate._held import current_bytes
+from tfmemsafe.estimate._held import data_on
+from tfmemsafe.estimate._held import held_bytes
+from tfmemsafe.estimate._held import state_bytes
 
 # Training steps per probe; the reading is the median step's peak.
-_PROBE_STEPS = 5
-# Default probes. A step's peak is not a line from batch 1: at small
-# batches a floor that no sample adds to sets it (the optimizer update,
-# the data, and on oneDNN-off CPUs the im2col buffers of Eigen's
-# convolution gradients, capped at ~30 MB each: a floor of 60-70 MiB for
-# any conv net), and it grows with the batch only past that. So sizes
-# are `_FIRST_PROBE`, four and sixteen times it, then double, and stop
-# when
-# - the next size is predicted (by the last slope) to grow the peak over
-#   the line's value at batch 0 by more than `PROBE_BUDGET` of the free
-#   memory (so that no probe runs out and a batch four times the largest
-#   still fits): it is then cut to the largest size within the budget
-#   and probed last (`_within_budget`);
-# - or the peak has grown by at least `_GROWN` times the second probe's
-#   (the per-sample part is a real share of it) and the last two slopes
-#   agree to `_SLOPE_AGREEMENT` (the line is straight there);
-# - or after `_MAX_PROBES` (each costs a retrace).
-# "Free" is the limit less the model's state, the same in every process.
-# The first size is probed twice and read the second time, and no
-# decision reads the first probe's level, only slopes past it.
-_FIRST_PROBE = 8
-_QUADRUPLED = 2
-_MIN_PROBES = 3
-_MAX_PROBES = 7
-PROBE_BUDGET = 0.2
-_GROWN = 1.5
-_SLOPE_AGREEMENT = 0.15
-# A last probe sized to the budget is run only this far past the largest.
-_LAST_PROBE_STEP = 1.25
-
-
-def measure_default_sizes(
-    probe, source, replicas, limits, largest, budget=PROBE_BUDGET
-) -> list:
-    """The default probes' `(batch_size, peak_bytes, device)`, smallest
-    first; `budget` is the fraction of the free memory they may grow the
-    peak by (`PROBE_BUDGET` unless a caller probes nearer the limit)."""
-    samples = source.num_samples
-    if largest is not None:
-        samples = largest if samples is None else min(samples, largest)
-    # A global batch needs a sample per replica; none is larger than the data.
-    size = replicas * max(1, _FIRST_PROBE // replicas)
-    if samples is not None:
-        size = min(size, max(replicas, samples - samples % replicas))
-    # A first, unread probe: what the first `fit` on the data leaves for
-    # the rest of them (a copy of a dataset's tensors, the traced step's
-    # constants) is then in use before every probe that is read.
-    probe.run(size)
-    measurements = [probe.run(size)]
-    free = free_bytes(probe, limits)
-    last = False
-    while len(measurements) < _MAX_PROBES and not last:
-        size *= 4 if len(measurements) <= _QUADRUPLED else 2
-        if samples is not None and size > samples:
-            break
-        if len(measurements) >= 2:
-            if _straight(measurements):
-                break
-            size, predicted, last = _within_budget(
-                measurements, size, free, replicas, budget
-            )
-            if size is None:
-                break
-            if not probe.room_for(predicted):
-                break  # Something else holds memory now: stay safe.
-        measurements.append(probe.run(size))
-    if len(measurements) < 2:
-        raise MemoryEstimateError(
-            "Could not estimate memory: the data has too few samples for "
-            f"two probe batch sizes (at most {samples}). Pass `batch_sizes`."
-        )
-    return measurements
-
-
-def _straight(measurements) -> bool:
-    """Whether the peak has grown well past the floor along a line."""
-    (s0, p0, _), (s1, p1, _), (s2, p2, _) = ([(0, 0, None)] + measurements)[-3:]
-    slope = (p2 - p1) / (s2 - s1)
-    before = (p1 - p0) / (s1 - s0)
-    second = measurements[1][1]
-    return (
-        len(measurements) >= _MIN_PROBES + 1
-        and p2 - second >= _GROWN * second
-        and slope > 0
-        and abs(slope - before) <= _SLOPE_AGREEMENT * slope
-    )
-
-
-def _within_budget(measurements, size, free, replicas, budget):
-    """`(size, predicted_peak, last)` for the next probe, `size` at most.
-
-    Growth is counted from the line's value at batch 0, not from a probe
-    (which may sit on the floor), so that four times the largest probe is
-    predicted to grow the peak by at most 4 x `budget` of the free
-    memory. The slope is the widest secant's, from the second probe: one
-    step scheduled with more at once in a middle probe then moves it
-    least. A size over the budget is cut to the largest within it, and
-    that probe is the last (`last`): so where the probes end moves a
-    little with the readings, not by a factor two (a conv net's probes
-    used to end at 128 in some processes and 256 in others, and the
-    line through them differed by a quarter). `size` is `None` when not
-    even `_LAST_PROBE_STEP` times the largest probe is within it.
-    """
-    (s1, p1, _), (s2, p2, _) = measurements[-2:]
-    if len(measurements) >= 3:
-        s1, p1, _ = measurements[1]
-    slope = max((p2 - p1) / (s2 - s1), 0)
-    base = min(measurements[1][1], max(p2 - slope * s2, 0))
-    last = False
-    if free is not None and slope > 0:
-        within = s2 + (budget * free + base - p2) / slope
-        if size > within:
-            size = _rounded_down(int(within), replicas)
-            if size < _LAST_PROBE_STEP * s2:
-                return None, None, True
-            last = True
-    return size, p2 + slope * (size - s2), last
-
-
-def _rounded_down(size: int, replicas: int) -> int:
-    """`size` down to a multiple of 8 (and of the replicas)."""
-    step = 8 * replicas // math.gcd(8, replicas)
-    return size - size % step
-
-
-def free_bytes(probe, limits) -> int | None:
-    """The least memory the model's state (and the data's tensors, where
-    they count) leaves below a device's limit."""
-    free = [
-        limit - probe.counted_bytes(device)
-        for device, limit in limits.items()
-        if limit
-    ]
-    return min(free) if free else None
-
-
-def state_bytes(model) -> int:
-    """Bytes of the model's variables, its metrics' and its optimizers'.
-
-    What stays in memory between steps, on each replica device: counted,
-    so the same in every process.
-    """
-    variables = [*model.variables, *model.metrics_variables]
-    for optimizer in optimizers_of(model):
-        variables += optimizer.variables
-    for accumulator in gradient_accumulators_of(model):
-        variables += accumulator.state_variables()
-    return _bytes_of(variables)
-
-
-def gradient_bytes(model) -> int:
-    """Bytes of one gradient of every trainable variable of the model:
-    what a split's gradient sums take."""
-    return _bytes_of(model.trainable_variables)
-
-
-def _bytes_of(variables) -> int:
-    seen, total = set(), 0
-    for variable in variables:
-        if id(variable) in seen:
-            continue
-        seen.add(id(variable))
-        dtype = tf.as_dtype(keras.backend.standardize_dtype(variable.dtype))
-        total += int(np.prod(variable.shape, dtype=np.int64)) * dtype.size
-    return total
+PROBE_STEPS = 5
 
 
 class Probe:
@@ -227,6 +67,9 @@ class Probe:
         phase: str. `"training"`, `"evaluation"`, `"validation"` or
             `"prediction"`.
         limits: dict of device to its limit in bytes (or `None`).
+        guarded: bool. Measure the step with the step guard's barrier.
+        progress: A `keras.utils.Progbar` that each probe moves on, or
+            `None`.
     """
 
     def __init__(
@@ -238,8 +81,10 @@ class Probe:
         limits=None,
         *,
         guarded=False,
+        progress=None,
     ):
         self.model = model
+        self.progress = progress
         self.source = source
         self.devices = devices
         self.phase = phase
@@ -348,6 +193,14 @@ class Probe:
                 "reported no peak memory after a training step."
             )
         device = max(medians, key=lambda d: medians[d])
+        if self.progress is not None:
+            self.progress.update(
+                len(self.tried),
+                [
+                    ("batch_size", batch_size),
+                    ("peak_mib", medians[device] / 2**20),
+                ],
+            )
         logging.vlog(
             1,
             "tfmemsafe.estimate_memory: batch %d peaked at %s on %s.",
@@ -369,7 +222,7 @@ class Probe:
         # What the previous probe's `fit` left (its iterator, a copy of the
         # data) must not count in this one's peak, nor in its baseline.
         gc.collect()
-        before = {device: _current_bytes(device) for device in self.devices}
+        before = {device: current_bytes(device) for device in self.devices}
         steps = _StepPeaks(self.window, self.devices)
         error = None
         try:
@@ -395,11 +248,11 @@ class Probe:
         return peaks, error
 
     def _steps(self, batch_size: int, steps, arguments=None) -> None:
-        """Runs `_PROBE_STEPS` steps of the phase at `batch_size`."""
+        """Runs `PROBE_STEPS` steps of the phase at `batch_size`."""
         if arguments is None and self._arrays is not None:
             arguments = {"x": self._batches(batch_size), "shuffle": False}
         if arguments is None:
-            arguments = self.source.trial_arguments(batch_size, _PROBE_STEPS)
+            arguments = self.source.trial_arguments(batch_size, PROBE_STEPS)
         callbacks = [steps]
         if self.phase == "training":
             self.model.fit(
@@ -420,13 +273,13 @@ class Probe:
             )
 
     def _batches(self, batch_size: int):
-        """`_PROBE_STEPS` batches gathered from the data's tensors, as the
-        run's own are (`_sources.gathered`): with its parallel gather and
+        """`PROBE_STEPS` batches gathered from the data's tensors, as the
+        run's own are (`_arrays.gathered`): with its parallel gather and
         final prefetch, whose batches are alive during its steps."""
-        return _sources.cycled(
+        return _arrays.cycled(
             tuple(part for part in self._arrays if part is not None),
             batch_size,
-            _PROBE_STEPS,
+            PROBE_STEPS,
             one_worker=self.source.one_worker,
         )
 
@@ -444,32 +297,6 @@ def _copied(array):
     if tensor.dtype.is_floating or tensor.dtype.is_integer:
         return tensor + 0
     return tf.identity(tensor)  # Booleans, strings: not numbers to add.
-
-
-def data_on(device, source) -> int:
-    """The bytes of `source`'s tensors that `device`'s memory holds all
-    through a run: arrays' (`Arrays.resident_bytes`), in host memory, so
-    on a CPU; none on an accelerator, nor for a pipeline's batches."""
-    return source.resident_bytes() if _is_host(device) else 0
-
-
-def data_held_on(device, source) -> int:
-    """Of `data_on`, what `device`'s memory holds now: nothing before the
-    arrays are converted, nor between Keras' own conversions."""
-    return source.resident_bytes_now() if _is_host(device) else 0
-
-
-def _is_host(device) -> bool:
-    return memory.device_name(device).startswith("CPU:")
-
-
-def _current_bytes(device) -> int:
-    return memory.memory_info(device, include_limit=False).current_bytes or 0
-
-
-def held_bytes(device, state_bytes: int) -> int:
-    """What is in use on `device` besides the model's state, now."""
-    return max(_current_bytes(device) - state_bytes, 0)
 
 
 class _StepPeaks(keras.callbacks.Callback):

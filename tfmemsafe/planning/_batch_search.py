@@ -33,6 +33,7 @@ def find_max_batch_size(
     steps_per_trial: int = 2,
     headroom: float = memory.HEADROOM,
     memory_estimate: bool = True,
+    verbose="auto",
 ) -> int:
     """Finds the largest batch size that trains with memory to spare.
 
@@ -76,6 +77,9 @@ def find_max_batch_size(
             free at the peak, in [0, 1). Defaults to 0.1.
         memory_estimate: bool. Whether to start from a memory estimate;
             with `False`, only the search by trial. Defaults to `True`.
+        verbose: `"auto"`, 0 or 1, as `model.fit` takes it: 1 (and
+            `"auto"`) shows a progress bar of the estimate's probes; 0
+            nothing. Defaults to `"auto"`.
 
     Returns:
         The largest good batch size found.
@@ -93,11 +97,15 @@ def find_max_batch_size(
     _checks.integer("steps_per_trial", steps_per_trial, 1)
     _checks.fraction("headroom", headroom)
     memory_estimate = _checks.boolean("memory_estimate", memory_estimate)
+    _checks.verbose(verbose)
     source = source_for(
         data, "data", labelled=True, strategy=model.distribute_strategy
     )
     planner = SizePlanner(
-        model, "tfmemsafe.find_max_batch_size", memory_estimate=memory_estimate
+        model,
+        "tfmemsafe.find_max_batch_size",
+        memory_estimate=memory_estimate,
+        verbose=verbose,
     )
     return _search(
         model, source, start, max_batch_size, steps_per_trial, headroom, planner

@@ -22,13 +22,13 @@ from tfmemsafe.recovery import SplitBatchOnOOM
 
 
 def measure(
-    planned, candidate, source, rows, steps, devices, limit
+    planned, candidate, source, rows, steps, devices, limit, split_batch_norm
 ) -> Candidate:
     """Trains `steps + 1` batches as `candidate` says, on the model's own
     variables, and puts the model back."""
     split = SplitBatchOnOOM(
         grow_back_after=None,
-        split_batch_norm=True,
+        split_batch_norm=split_batch_norm,
         micro_batch_size=(
             candidate.micro_batch_size if candidate.micro_batches > 1 else None
         ),

@@ -82,6 +82,8 @@ class MemoryPlan:
             out).
         not_tried: tuple of str. What was not considered, and why.
         seconds: float. How long planning took.
+        split_batch_norm: bool. As `plan` was called with; `callback()`
+            passes it on.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class MemoryPlan:
         chosen,
         not_tried,
         seconds,
+        split_batch_norm=False,
     ):
         self._model = weakref.ref(model)
         self._checkpointed_model = checkpointed_model
@@ -106,6 +109,7 @@ class MemoryPlan:
         self.chosen = chosen
         self.not_tried = tuple(not_tried)
         self.seconds = seconds
+        self.split_batch_norm = split_batch_norm
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -147,6 +151,7 @@ class MemoryPlan:
         """A `tfmemsafe.SplitBatchOnOOM` that trains the chosen
         micro-batches from the first step (and splits further if they
         run out). `kwargs` go to it."""
+        kwargs.setdefault("split_batch_norm", self.split_batch_norm)
         return SplitBatchOnOOM(micro_batch_size=self.micro_batch_size, **kwargs)
 
     def __str__(self) -> str:

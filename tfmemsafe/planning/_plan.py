@@ -23,6 +23,7 @@ from tfmemsafe import _checks
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe import memory
+from tfmemsafe import recovery
 from tfmemsafe._keras_data import check_kind
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import unpacked
@@ -50,6 +51,7 @@ def plan(
     *,
     memory_limit: int | None = None,
     checkpointing: bool | str = "auto",
+    split_batch_norm: bool = False,
     steps: int = 5,
     verbose="auto",
 ) -> MemoryPlan:
@@ -94,6 +96,13 @@ def plan(
         checkpointing: bool or `"auto"`. Whether to consider recomputing
             the model's blocks; `"auto"` considers it where the model can
             be rebuilt, and says why not elsewhere. Defaults to `"auto"`.
+        split_batch_norm: bool. As `tfmemsafe.SplitBatchOnOOM`'s: whether
+            micro-batches may be considered for a model whose
+            `BatchNormalization` layers train (each micro-batch is then
+            normalized by its own statistics). Where a model's batches
+            cannot be split exactly (that, a loss that does not average
+            over the batch, ...), only whole batches are considered, and
+            the plan says why. Defaults to `False`.
         steps: int. Timed steps per measured candidate. Defaults to `5`.
         verbose: `"auto"`, 0 or 1. A progress bar of the planning stages
             with 1 (and `"auto"`). Defaults to `"auto"`.
@@ -120,10 +129,7 @@ def plan(
             "`checkpointing` must be True, False or 'auto'. Received: "
             f"checkpointing={checkpointing!r}"
         )
-    if verbose not in ("auto", 0, 1):
-        raise ValueError(
-            f"`verbose` must be 'auto', 0 or 1. Received: verbose={verbose!r}"
-        )
+    _checks.verbose(verbose)
     check_kind(x, "x")
     if is_iterable_only(x):
         raise ValueError(
@@ -150,6 +156,12 @@ def plan(
     if not model.built:  # So that its layers and variables exist.
         with strategy.scope():
             model(source.sample_inputs(), training=False)
+    split_batch_norm = _checks.boolean("split_batch_norm", split_batch_norm)
+    refusal = recovery.split_refusal(
+        model, (source.sample_inputs(),), "train", split_batch_norm
+    )
+    if refusal is not None:
+        not_tried.append(f"micro-batches: {refusal}")
     models = [model]
     if checkpointing:
         variant, why = checkpointed(model)
@@ -169,10 +181,17 @@ def plan(
     )
     candidates = []
     for stage, planned in enumerate(models):
-        predicted = _predicted(planned, model, source, rows, limit)
+        predicted = _predicted(
+            planned, model, source, rows, limit, split=refusal is None
+        )
         progress.update(2 * stage + 1)
         candidates += _measured(
-            planned, predicted, source, rows, steps, devices, limit
+            planned,
+            predicted,
+            source,
+            rows,
+            steps,
+            (devices, limit, split_batch_norm),
         )
         progress.update(2 * stage + 2)
     chosen = _chosen(candidates)
@@ -186,17 +205,24 @@ def plan(
         chosen=chosen,
         not_tried=not_tried,
         seconds=time.perf_counter() - started,
+        split_batch_norm=split_batch_norm,
     )
     logging.info("tfmemsafe.plan:\n%s", made)
     return made
 
 
-def to_follow(plan_or_auto, model, data, rows: int, verbose) -> MemoryPlan:
+def to_follow(
+    plan_or_auto, model, data, rows: int, split_batch_norm, verbose
+) -> MemoryPlan:
     """The `MemoryPlan` a `tfmemsafe.fit` of batches of `rows` follows:
     the one it was given, checked, or one made now for `"auto"`."""
     if plan_or_auto == "auto":
         return plan(
-            model, data, batch_size=rows, verbose=0 if verbose == 0 else 1
+            model,
+            data,
+            batch_size=rows,
+            split_batch_norm=split_batch_norm,
+            verbose=0 if verbose == 0 else 1,
         )
     if not isinstance(plan_or_auto, MemoryPlan):
         raise TypeError(
@@ -234,9 +260,10 @@ def _precision(model) -> str:
     )
 
 
-def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
+def _predicted(planned, model, source, rows, limit, split) -> list[Candidate]:
     """Candidates from the whole batch to the fewest micro-batches
-    predicted to fit, and twice as many; each with its prediction."""
+    predicted to fit, and twice as many (the whole batch alone without
+    `split`); each with its prediction."""
     recompute = planned is not model
     if limit is None:
         # Nothing can fit an unknown limit: the whole batch is measured,
@@ -266,12 +293,13 @@ def _predicted(planned, model, source, rows, limit) -> list[Candidate]:
         candidates.append(
             Candidate(pieces, micro, recompute, int(peak), by, fits)
         )
-        micro = micro // 2 if micro > 1 else 0
+        micro = micro // 2 if micro > 1 and split else 0
     return candidates
 
 
-def _measured(planned, candidates, source, rows, steps, devices, limit):
-    """`candidates` with those to measure trained and measured."""
+def _measured(planned, candidates, source, rows, steps, where):
+    """`candidates` with those to measure trained and measured; `where`:
+    `(devices, limit, split_batch_norm)`."""
     measured = []
     for candidate in candidates:
         if candidate.fits is False:
@@ -280,7 +308,7 @@ def _measured(planned, candidates, source, rows, steps, devices, limit):
             )
             continue
         measured.append(
-            measure(planned, candidate, source, rows, steps, devices, limit)
+            measure(planned, candidate, source, rows, steps, *where)
         )
     return measured
 

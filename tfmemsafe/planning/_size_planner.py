@@ -69,12 +69,17 @@ class SizePlanner:
         caller: str. The public function asking, for log lines.
         memory_estimate: bool. Whether it may estimate (run probes); with
             `False` it answers from measurements alone.
+        verbose: `"auto"`, 0 or 1. A progress bar of the probes, as
+            `model.fit`'s. Defaults to 0.
     """
 
-    def __init__(self, model: keras.Model, caller: str, *, memory_estimate):
+    def __init__(
+        self, model: keras.Model, caller: str, *, memory_estimate, verbose=0
+    ):
         self.model = model
         self.caller = caller
         self.memory_estimate = memory_estimate
+        self.verbose = verbose
         self._facts = _MEASURED.setdefault(model, {})
         self._refused = {}  # Key to why no estimate could be made.
 
@@ -208,7 +213,12 @@ class SizePlanner:
             return None, "a multi-worker job (workers could choose differently)"
         try:
             made = estimate_lib.estimate_source(
-                self.model, source, phase=phase, largest=largest, guarded=True
+                self.model,
+                source,
+                phase=phase,
+                largest=largest,
+                guarded=True,
+                verbose=self.verbose,
             )
         except (MemoryEstimateError, OutOfMemoryError) as err:
             return None, str(err)

@@ -12,8 +12,10 @@ the agreement of every worker on a multi-worker job (`_agreed_step`).
 docs/architecture.md draws them.
 """
 
+from tfmemsafe.recovery._exact_split import split_refusal
 from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
 
 __all__ = [
     "SplitBatchOnOOM",
+    "split_refusal",
 ]

@@ -14,17 +14,15 @@ import tensorflow as tf
 from absl import logging
 
 from tfmemsafe import _checks
-from tfmemsafe import data as data_lib
 from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe import planning
+from tfmemsafe import recovery
 from tfmemsafe._keras_data import chained_cause
 from tfmemsafe._keras_data import check_kind
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import keras_data
-from tfmemsafe._keras_data import padded_batches
 from tfmemsafe._keras_data import unpacked
-from tfmemsafe._keras_data import varies_in_length
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._sources import source_for
 from tfmemsafe.accumulation import accumulation_steps_of
@@ -33,6 +31,7 @@ from tfmemsafe.history import OOMEvent
 from tfmemsafe.history import fit_history_of
 from tfmemsafe.monitor import monitors_first
 from tfmemsafe.recovery import SplitBatchOnOOM
+from tfmemsafe.training._auto_batch import auto_batch
 
 
 def fit(
@@ -232,8 +231,8 @@ def fit(
     strategy = model.distribute_strategy
     history = fit_history_of(callbacks)
     if batch_size == "auto":
-        x, validation_data, batch_size = _auto(
-            model, x, y, validation_data, memory_estimate
+        x, validation_data, batch_size = auto_batch(
+            model, x, y, validation_data, memory_estimate, verbose
         )
         preflight = False  # Its size, or its buckets, were measured.
     if validation_data is not None:
@@ -250,7 +249,9 @@ def fit(
     x, keras_batch_size, rows = keras_data(x, batch_size, strategy)
     trained = model
     if plan is not None:
-        plan = planning.to_follow(plan, model, data, rows, verbose)
+        plan = planning.to_follow(
+            plan, model, data, rows, split_batch_norm, verbose
+        )
         trained = plan.apply(model)
         split.micro_batch_size = plan.micro_batch_size
         preflight = False  # The plan measured its sizes.
@@ -269,7 +270,7 @@ def fit(
         and not is_iterable_only(data)
     ):
         split.micro_batch_size = _preflight(
-            model, data, rows, min_batch_size, history, initial_epoch
+            model, data, rows, split, history, initial_epoch, verbose
         )
     if history not in callbacks:
         # After the monitors: it records the logs they add to.
@@ -303,44 +304,36 @@ def fit(
     return history
 
 
-def _auto(model, x, y, validation_data, memory_estimate):
-    """`batch_size="auto"`: `(x, validation_data, batch_size)`, with
-    examples of varying length batched by memory buckets (the batch size
-    the first bucket's), else the largest batch size found to fit."""
-    if is_iterable_only(x):
-        raise ValueError(
-            "`batch_size='auto'` needs data it can batch (arrays, a "
-            "tf.data.Dataset or a callable). Received: x of type "
-            f"{type(x).__name__}"
-        )
-    if varies_in_length(x):
-        return _bucketed(model, x, validation_data)
-    if padded_batches(x):
-        raise ValueError(
-            "`batch_size='auto'` chooses the batch size, and `x` is batched "
-            "already, its examples padded to each batch's longest, which "
-            "cannot be batched again. Pass the unbatched examples: they are "
-            f"then batched by length buckets. Received: x={x!r:.80}"
-        )
-    batch_size = planning.find_max_batch_size(
-        model, x if y is None else (x, y), memory_estimate=memory_estimate
-    )
-    logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
-    return x, validation_data, batch_size
-
-
-def _preflight(model, data, rows, floor, history, epoch) -> int | None:
+def _preflight(model, data, rows, split, history, epoch, verbose):
     """The micro-batch rows the estimate predicts to fit when a batch of
-    `rows` does not (halvings of it, down to `floor`), else `None`; one
-    log line and an `OOMEvent` with `phase="preflight"` when it splits."""
+    `rows` does not (halvings of it, down to the `split` callback's
+    floor), else `None`; one log line and an `OOMEvent` with
+    `phase="preflight"` when it splits. A model whose batches cannot be
+    split exactly is not split."""
+    floor = split.min_micro_batch_size
     source = source_for(
         data, "x", labelled=True, strategy=model.distribute_strategy
     )
-    planner = planning.SizePlanner(model, "tfmemsafe.fit", memory_estimate=True)
+    planner = planning.SizePlanner(
+        model, "tfmemsafe.fit", memory_estimate=True, verbose=verbose
+    )
     halvings, predicted = planner.halvings(
         "training", source, rows, floor, largest_probe=max(1, rows // 2)
     )
     if not halvings:
+        return None
+    refusal = recovery.split_refusal(
+        model, (source.sample_inputs(),), "train", split.split_batch_norm
+    )
+    if refusal is not None:
+        logging.warning(
+            "tfmemsafe.fit: pre-flight check: batches of %d are predicted "
+            "not to fit (%s), and are not split: %s. One that runs out of "
+            "memory raises tfmemsafe.OutOfMemoryError.",
+            rows,
+            predicted,
+            refusal,
+        )
         return None
     micro = max(floor, rows >> halvings)
     pieces = math.ceil(rows / micro)
@@ -366,46 +359,3 @@ def _preflight(model, data, rows, floor, history, epoch) -> int | None:
         )
     )
     return micro
-
-
-def _bucketed(model, x, validation_data):
-    """The training (and validation) examples in memory buckets, planned
-    on both, so that no validation example is longer than the buckets;
-    and the first bucket's batch size."""
-    planned_on = x
-    if varies_in_length(validation_data):
-        planned_on = x.concatenate(validation_data)
-    # Windows that close at a number of samples (tokens) take no batch
-    # past it, so that an update stays under twice it.
-    buckets = data_lib.memory_buckets(
-        planned_on, model, **_capped_by_update_size(model)
-    )
-    logging.info("tfmemsafe.fit: batch_size='auto' chose:\n%s", buckets)
-    steps = accumulation_steps_of(model)
-    sizes = buckets.bucket_batch_sizes[:-1]
-    if steps and steps > 1 and min(sizes) != max(sizes):
-        logging.warning(
-            "tfmemsafe.fit: accumulation_steps=%d counts batches, and the "
-            "buckets' batches hold %d to %d samples: updates of %d to %d "
-            "samples. For updates of one size, build the model with "
-            "`samples_per_update` (or `tokens_per_update`) instead.",
-            steps,
-            min(sizes),
-            max(sizes),
-            steps * min(sizes),
-            steps * max(sizes),
-        )
-    if varies_in_length(validation_data):
-        validation_data = buckets.apply(validation_data)
-    return buckets.apply(x), validation_data, buckets.bucket_batch_sizes[0]
-
-
-def _capped_by_update_size(model) -> dict:
-    """`memory_buckets`' caps for a model whose windows close by size."""
-    samples = getattr(model, "samples_per_update", None)
-    tokens = getattr(model, "tokens_per_update", None)
-    if samples:
-        return {"max_batch_size": samples}
-    if tokens:
-        return {"max_tokens": tokens}
-    return {}
