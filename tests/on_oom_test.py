@@ -358,6 +358,37 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
             reference.get_weights(), model.get_weights(), atol=1e-6
         )
 
+    @parameterized.named_parameters(
+        ("exact", False, 1), ("batch_normalization", True, 0)
+    )
+    def test_the_pre_flight_check_splits_only_where_exact(
+        self, batch_norm, preflight_events
+    ):
+        from unittest import mock
+
+        x, y = _features()
+        whole = _classifier(batch_norm=batch_norm)
+        whole.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+        model = _classifier(batch_norm=batch_norm)
+        # As if the estimate predicted that a quarter of the batch fits.
+        with mock.patch.object(
+            tfmemsafe.planning.SizePlanner,
+            "halvings",
+            return_value=(2, "predicted over the limit"),
+        ):
+            history = tfmemsafe.fit(
+                model,
+                x,
+                y,
+                batch_size=64,
+                shuffle=False,
+                verbose=0,
+                split_batch_norm=False,
+            )
+        events = [e for e in history.oom_events if e.phase == "preflight"]
+        self.assertLen(events, preflight_events)
+        self.assertAllClose(whole.get_weights(), model.get_weights(), atol=1e-6)
+
     def test_steps_per_epoch_trains_every_example_once(self):
         x, y = _features(256)
         ids = np.arange(256, dtype="float32")[:, None]
@@ -711,6 +742,44 @@ class RefusedTest(parameterized.TestCase, tf.test.TestCase):
                 callbacks=[tfmemsafe.SplitBatchOnOOM()],
             )
         self.assertAllClose(before, model.get_weights())
+
+    @parameterized.named_parameters(
+        ("sum_reduction", {"reduction": "sum"}, {}, "reduction='sum'"),
+        ("batch_normalization", {}, {"batch_norm": True}, "normalizes each"),
+    )
+    def test_micro_batches_asked_for_from_the_start_are_not_inexact(
+        self, loss_kwargs, model_kwargs, pattern
+    ):
+        # `micro_batch_size` (fit's pre-flight check, a plan) splits from
+        # the first step, before any error: only where that is exact.
+        x, y = _features()
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, **loss_kwargs
+        )
+        whole = _classifier(loss=loss, **model_kwargs)
+        whole.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+        model = _classifier(loss=loss, **model_kwargs)
+        split = tfmemsafe.SplitBatchOnOOM(micro_batch_size=16)
+        with self.assertLogs(level="WARNING") as logs:
+            model.fit(
+                x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[split]
+            )
+        self.assertAllClose(whole.get_weights(), model.get_weights())
+        self.assertRegex("\n".join(logs.output), pattern)
+
+    def test_batch_normalization_split_from_the_start_when_asked(self):
+        x, y = _features()
+        whole = _classifier(batch_norm=True)
+        whole.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+        model = _classifier(batch_norm=True)
+        split = tfmemsafe.SplitBatchOnOOM(
+            micro_batch_size=16, split_batch_norm=True
+        )
+        model.fit(
+            x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[split]
+        )
+        # Each micro-batch normalized by its own statistics: not the same.
+        self.assertNotAllClose(whole.get_weights(), model.get_weights())
 
     def test_batch_normalization_split_when_asked(self):
         x, y = _features()

@@ -96,6 +96,44 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(plan.limit_bytes, limit)
 
     @parameterized.named_parameters(
+        ("exact_only", False), ("split_batch_norm", True)
+    )
+    def test_micro_batches_of_a_batch_norm_model_only_when_asked(
+        self, split_batch_norm
+    ):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((16,)),
+                keras.layers.Dense(64),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        x, y = _data()
+        plan = tfmemsafe.plan(
+            model,
+            x,
+            y,
+            batch_size=_BATCH,
+            checkpointing=False,
+            split_batch_norm=split_batch_norm,
+            verbose=0,
+        )
+        counts = {candidate.micro_batches for candidate in plan.candidates}
+        said = [n for n in plan.not_tried if n.startswith("micro-batches:")]
+        if split_batch_norm:
+            self.assertGreater(max(counts), 1, msg=str(plan))
+            self.assertEmpty(said)
+        else:
+            self.assertEqual(counts, {1}, msg=str(plan))
+            self.assertRegex(said[0], "normalizes each batch")
+        self.assertEqual(plan.callback().split_batch_norm, split_batch_norm)
+
+    @parameterized.named_parameters(
         ("micro_batches", False), ("checkpointing", True)
     )
     def test_fit_with_a_plan_trains_as_keras_trains_the_whole_batch(

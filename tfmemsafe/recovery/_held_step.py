@@ -151,6 +151,14 @@ class HeldSteps:
         in_use = self.readings.in_use() if size.grow_back_due() else None
         grown = size.grow_back_rows(in_use)
         piece = size.rows_for(rows)
+        if piece < rows:
+            # Split from the start too only where exact (after an error,
+            # a batch that cannot be split raised then).
+            refusal = self._refusals.of(name, batch)
+            if isinstance(refusal, str):
+                self.record.not_split_from_the_start(name, piece, refusal)
+                size.whole()
+                piece = rows
         if self._workers:
             # One exchange: every worker takes the same path and sizes.
             rows, grown, piece = agreed_sizes(self.strategy, rows, grown, piece)

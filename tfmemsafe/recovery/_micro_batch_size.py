@@ -67,6 +67,11 @@ class MicroBatchSize:
         self._wait = grow_back_after  # Clean steps before a grow-back.
         self._probe = None  # Rows of the next attempt's probe, if any.
 
+    def whole(self) -> None:
+        """Whole batches from now on: the rows it started at cannot be
+        used (the batches cannot be split exactly)."""
+        self.rows = None
+
     def rows_for(self, rows: int) -> int:
         """The rows of each micro-batch of a batch of `rows`."""
         return rows if self.rows is None else max(1, min(rows, self.rows))

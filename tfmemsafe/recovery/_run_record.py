@@ -29,6 +29,8 @@ class RunRecord:
         self.errors = 0  # Errors recovered from.
         # Errors waiting for the next attempt's micro-batch count.
         self._pending = []
+        # Phases whose preset micro-batches were not used, said once.
+        self._whole = set()
 
     def phase(self, name: str) -> str:
         """The phase a step function (`"train"`, `"test"`, `"predict"`)
@@ -72,6 +74,24 @@ class RunRecord:
         for pending in self._pending:
             self.oom_events.append(OOMEvent(**pending, split_into=pieces))
         self._pending = []
+
+    def not_split_from_the_start(self, name, rows: int, refusal: str):
+        """Logs, once a phase, that micro-batches asked for from the start
+        are not used: the batches cannot be split exactly."""
+        if name in self._whole:
+            return
+        self._whole.add(name)
+        logging.warning(
+            "Micro-batches of %d rows were asked for from the first %s step "
+            "(`micro_batch_size`, which tfmemsafe.fit's pre-flight check and "
+            "a MemoryPlan set), and this model's batches are not split: "
+            "%s, so their sum would not be the batch's. Whole batches are "
+            "trained; one that runs out of memory raises "
+            "tfmemsafe.OutOfMemoryError.",
+            rows,
+            self.phase(name),
+            refusal,
+        )
 
     def grew_back(self, name, before, after, in_use, accumulation_steps):
         event = GrowBackEvent(
