@@ -782,6 +782,24 @@ class FindMaxBatchSizeTest(tf.test.TestCase):
         for expected, variable in zip(before, model.state, strict=True):
             self.assertAllEqual(expected, variable.numpy(), msg=variable.path)
 
+    def test_trials_reuse_the_traced_step(self):
+        traces = []
+
+        class Counting(keras.Model):
+            def train_step(self, data):
+                traces.append(1)  # Runs once per trace.
+                return super().train_step(data)
+
+        inputs = keras.Input((4,))
+        model = Counting(inputs, keras.layers.Dense(2)(inputs))
+        model.compile("sgd", "mse")
+        x, y = _models.table(512)
+        # No statistics or estimate: trials at 32, 64, ..., 512.
+        tfmemsafe.find_max_batch_size(
+            model, (x, y), max_batch_size=512, memory_estimate=False
+        )
+        self.assertLess(len(traces), 5)
+
     def test_builds_the_optimizer_so_a_fresh_one_stays_fresh(self):
         x, y = _models.table(64)
         model = _models.dense_model()

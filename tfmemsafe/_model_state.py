@@ -66,6 +66,15 @@ class ModelState:
         }
 
     def restore(self) -> None:
+        """Puts back the values and the attributes `fit` replaces."""
+        self.restore_values()
+        for name, value in self.attributes.items():
+            setattr(self.model, name, value)
+        _compat.drop_cached_validation_iterator(self.model)
+
+    def restore_values(self) -> None:
+        """Puts back the values alone: the compiled functions and their
+        traces stay, for the next `fit` on the model."""
         self.copy.restore()
         for optimizer in self.unbuilt:
             if optimizer.built:
@@ -78,9 +87,6 @@ class ModelState:
                     self.model.name,
                 )
         self.unbuilt = [each for each in self.unbuilt if not each.built]
-        for name, value in self.attributes.items():
-            setattr(self.model, name, value)
-        _compat.drop_cached_validation_iterator(self.model)
 
     def close(self) -> None:
         """Deletes the saved values; `restore` cannot be called after."""

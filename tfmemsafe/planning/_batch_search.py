@@ -197,8 +197,7 @@ class _Trial:
         self.tried = []
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
-        self.snapshot = ModelState(model)
-        self.history = getattr(model, "history", None)
+        self.state = ModelState(model)
         with model.distribute_strategy.scope():
             self.devices = memory.default_devices()
         self.limits = {
@@ -256,7 +255,8 @@ class _Trial:
             raise
         finally:
             if self.usable:
-                self.snapshot.restore()
+                # Its traced functions stay for the next trial.
+                self.state.restore_values()
                 release(self.model)
         if trained:
             self.planner.record_trained("training", self.source, batch_size)
@@ -293,10 +293,12 @@ class _Trial:
 
     def close(self) -> None:
         if self.usable:
-            self.snapshot.restore()
-            self.model.history = self.history
+            # The search's traces stay for the run that follows; `history`
+            # is the caller's again.
+            self.state.restore_values()
+            self.model.history = self.state.attributes["history"]
             release(self.model)
-        self.snapshot.close()
+        self.state.close()
 
 
 def _round_down(size: int, multiple: int, good: int) -> int:
