@@ -191,7 +191,9 @@ def plan(
             source,
             rows,
             steps,
-            (devices, limit, split_batch_norm),
+            devices,
+            limit,
+            split_batch_norm,
         )
         progress.update(2 * stage + 2)
     chosen = _chosen(candidates)
@@ -297,9 +299,10 @@ def _predicted(planned, model, source, rows, limit, split) -> list[Candidate]:
     return candidates
 
 
-def _measured(planned, candidates, source, rows, steps, where):
-    """`candidates` with those to measure trained and measured; `where`:
-    `(devices, limit, split_batch_norm)`."""
+def _measured(
+    planned, candidates, source, rows, steps, devices, limit, split_batch_norm
+):
+    """`candidates` with those to measure trained and measured."""
     measured = []
     for candidate in candidates:
         if candidate.fits is False:
@@ -308,7 +311,16 @@ def _measured(planned, candidates, source, rows, steps, where):
             )
             continue
         measured.append(
-            measure(planned, candidate, source, rows, steps, *where)
+            measure(
+                planned,
+                candidate,
+                source,
+                rows,
+                steps,
+                devices,
+                limit,
+                split_batch_norm,
+            )
         )
     return measured
 
