@@ -111,6 +111,11 @@ _UNMET = {
     "at 4x read -5% to -30% in six processes and one CI run, and in one "
     "process of six `max_batch_size()` gave 6069, 1.2% under a size "
     'that ran out (6144); docs/memory-estimate.md, "Status"',
+    "accumulating_checkpointed_net": "in one CI run its probes up to 1024 "
+    "read a lower floor and slope (28.4 MiB at 8, where other machines "
+    "read 55, and 196 KiB a sample) and predicted 817 MiB at 4096, which "
+    "ran out of its 1000 MB cap, as did `max_batch_size()` (4149); "
+    'docs/memory-estimate.md, "Status"',
 }
 # The same at four times the longest length (the goal is 15%).
 _LENGTH_TOLERANCE = {"gru": 0.15, "transformer": 0.25}
