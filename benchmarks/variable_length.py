@@ -24,11 +24,12 @@ however many epochs follow.
 With `--held`, then, for `--rounds` rounds, two more runs side by side:
 `tfmemsafe.fit(examples, batch_size="auto")` for five epochs, once with
 the allocator filled by something else (`tfmemsafe.testing.HeldMemory`)
-at epoch 3, step `--hold_step`, and let go at the next step, and once
-with nothing held. The examples come in a new order each epoch, so the
-batch that runs out cannot be read again to be split: every bucket
-halves, the epoch begins again, and the buckets grow back as the next
-epoch begins. Its table gives each epoch's tokens per second in both
+at epoch 3, step `--hold_step`, all but `--leave_mb` of it (100 MB),
+and let go at the next step, and once
+with nothing held. The batch that runs out is trained again in its
+step as micro-batches, the next batch comes at its bucket's planned
+size, and the split size grows back after `grow_back_after` clean
+steps. Its table gives each epoch's tokens per second in both
 runs and their ratio: an epoch's throughput on this machine moves by
 more than the hold's effect from one epoch to the next, so epochs 4 and
 5 (after the hold) are set beside the same epochs with nothing held,
@@ -68,6 +69,9 @@ _BATCHING = flags.DEFINE_bool(
 )
 _HOLD_STEP = flags.DEFINE_integer(
     "hold_step", 5, "The step of epoch 3 at which memory is held."
+)
+_LEAVE_MB = flags.DEFINE_integer(
+    "leave_mb", 100, "Megabytes of the cap the held memory leaves free."
 )
 _MAX_BATCH_SIZE = flags.DEFINE_integer(
     "max_batch_size",
@@ -179,7 +183,7 @@ def run_way(way, name, count, median, longest, epochs, found):
     }
 
 
-def run_held(name, count, median, longest, hold_step):
+def run_held(name, count, median, longest, hold_step, leave_mb):
     """`tfmemsafe.fit(batch_size="auto")` for five epochs with memory held
     at epoch 3, step `hold_step` until the next step (`None`: nothing
     held), in this capped process; returns each epoch's timings and what
@@ -195,8 +199,7 @@ def run_held(name, count, median, longest, hold_step):
     begun, took = {}, {}
 
     def begin(epoch, logs=None):
-        # An epoch that begins again counts from its first beginning.
-        begun.setdefault(epoch, (time.perf_counter(), time.process_time()))
+        begun[epoch] = (time.perf_counter(), time.process_time())
 
     def end(epoch, logs=None):
         wall, cpu = begun[epoch]
@@ -214,7 +217,7 @@ def run_held(name, count, median, longest, hold_step):
             grow_back_after=5,
             callbacks=[timer]
             if hold_step is None
-            else [testing.HeldMemory(2, hold_step), timer],
+            else [testing.HeldMemory(2, hold_step, leave_mb=leave_mb), timer],
             verbose=0,
         )
     return {
@@ -321,7 +324,7 @@ def _helds(shape):
             result = testing.run_with_memory_cap(
                 run_held,
                 _CAP_MB.value,
-                args=[_MODEL.value, *shape, step],
+                args=[_MODEL.value, *shape, step, _LEAVE_MB.value],
                 timeout=7200,
             )
             print(f"{kind}: {result}", flush=True)
@@ -333,7 +336,8 @@ def _print_held(runs):
     held, free = runs["held"], runs["free"]
     print()
     print(
-        f"Memory held at epoch 3, step {_HOLD_STEP.value}, until the next "
+        f"Memory held at epoch 3, step {_HOLD_STEP.value} (all but "
+        f"{_LEAVE_MB.value} MB), until the next "
         f"step, against nothing held; {len(held)} round(s) (medians; "
         "ratios per round)."
     )

@@ -28,7 +28,10 @@ class HeldMemory(keras.callbacks.Callback):
         forever: bool. Never let go: the run has to give up. Defaults to
             `False`.
         leave_mb: int. Megabytes (the last pieces taken, side by side) let
-            go at once. Defaults to 0.
+            go at once: the room the batch that ran out has to train in as
+            micro-batches, in its step, while the rest is held. With 0
+            there is next to none, and the run then usually ends in
+            `tfmemsafe.OutOfMemoryError`. Defaults to 0.
 
     Raises:
         ValueError: If `epoch`, `step` or `leave_mb` is not an integer
@@ -38,7 +41,9 @@ class HeldMemory(keras.callbacks.Callback):
     >>> def run():
     ...     history = tfmemsafe.fit(
     ...         model, (x, y), batch_size=256, epochs=2,
-    ...         callbacks=[tfmemsafe.testing.HeldMemory(epoch=1, step=1)],
+    ...         callbacks=[
+    ...             tfmemsafe.testing.HeldMemory(epoch=1, step=1, leave_mb=64)
+    ...         ],
     ...     )
     ...     return len(history.oom_events)
     >>> tfmemsafe.testing.run_with_memory_cap(run, cap_mb=300)

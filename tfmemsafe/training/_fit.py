@@ -116,9 +116,9 @@ def fit(
             dataset whose inputs vary in length, it batches by length
             buckets, each at the size the memory model predicts to fit
             (`tfmemsafe.data.memory_buckets`): the batch size is then the
-            first bucket's, an out-of-memory error halves every bucket's
-            and the epoch begins again, and a variable-length
-            `validation_data` is batched by the same buckets. `None` means
+            first bucket's, a batch that runs out is split in its step as
+            any other, and a variable-length `validation_data` is batched
+            by the same buckets. `None` means
             the batch size of a batched dataset, else 32; a callable
             needs one.
         epochs: int. The number of epochs; with `initial_epoch`, the
