@@ -889,6 +889,10 @@ class MirroredStrategyTest(tf.test.TestCase):
         # Evaluation and prediction of the same weights, split by replica.
         self.assertAllClose(*result["evaluated"], atol=1e-4)
         self.assertAllClose(*result["predicted"], atol=1e-4)
+        # `micro_batch_size` counts rows of the global batch, as
+        # `batch_size` does: each replica trains its share of them.
+        self.assertEqual(result["preset_events"], [])
+        self.assertAllClose(result["reference"], result["preset"], atol=1e-6)
 
     def test_one_replica_running_out_in_its_backward_pass_is_split(self):
         # The other replica's gradients exist long before: the step is
@@ -970,13 +974,16 @@ def _mirrored_late_backward_oom():
 
 
 def _mirrored_split():
+    """Whole batches; split after running out; and, in micro-batches of 20
+    rows of the global batch from the first step, 10 of each replica's 32,
+    which fit."""
     strategy = _models.mirrored_on_two_cpus()
     x, y = _features()
     weights, events, evaluated, predicted = [], [], [], []
-    for rows in (None, 10):
+    for rows, micro in ((None, None), (10, None), (10, 20)):
         with strategy.scope():
             model = _classifier(rows)
-        split = tfmemsafe.SplitBatchOnOOM()
+        split = tfmemsafe.SplitBatchOnOOM(micro_batch_size=micro)
         model.fit(
             x,
             y,
@@ -987,21 +994,26 @@ def _mirrored_split():
             callbacks=[split],
         )
         weights.append([w.tolist() for w in model.get_weights()])
-        events = [str(event) for event in split.oom_events]
-        evaluated.append(
-            model.evaluate(x, y, batch_size=64, verbose=0, callbacks=[split])
-        )
-        predicted.append(
-            model.predict(
-                x, batch_size=64, verbose=0, callbacks=[split]
-            ).tolist()
-        )
+        events.append([str(event) for event in split.oom_events])
+        if micro is None:
+            evaluated.append(
+                model.evaluate(
+                    x, y, batch_size=64, verbose=0, callbacks=[split]
+                )
+            )
+            predicted.append(
+                model.predict(
+                    x, batch_size=64, verbose=0, callbacks=[split]
+                ).tolist()
+            )
     return {
         "reference": weights[0],
         "split": weights[1],
-        "events": events,
+        "events": events[1],
         "evaluated": evaluated,
         "predicted": predicted,
+        "preset": weights[2],
+        "preset_events": events[2],
     }
 
 

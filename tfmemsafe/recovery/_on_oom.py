@@ -82,10 +82,13 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             as under any gradient accumulation, so the update is close to
             the whole batch's but not the same. Defaults to `False`.
         micro_batch_size: int or `None`. The rows of each training
-            micro-batch from the first step: a batch known not to fit
-            (`tfmemsafe.fit`'s pre-flight estimate sets it) is split from
-            the start, and grows back as above. Defaults to `None`: whole
-            batches until one runs out.
+            micro-batch from the first step, of the (global) batch as
+            `batch_size` counts it (under a `tf.distribute` strategy,
+            each replica trains its share of each micro-batch): a batch
+            known not to fit (`tfmemsafe.fit`'s pre-flight estimate and a
+            `tfmemsafe.MemoryPlan` set it) is split from the start, and
+            grows back as above. Defaults to `None`: whole batches until
+            one runs out.
         min_micro_batch_size: int. The fewest rows a micro-batch may
             have; a micro-batch of that many that runs out raises
             `tfmemsafe.OutOfMemoryError`. Defaults to `1`.
@@ -201,7 +204,10 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             self._guard,
             self.grow_back_after,
             self.split_batch_norm,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=_per_replica(
+                self.micro_batch_size,
+                model.distribute_strategy.num_replicas_in_sync,
+            ),
             min_micro_batch_size=self.min_micro_batch_size,
             max_retries=self.max_retries,
         )
@@ -315,3 +321,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
 
 def _whole(value):
     return None if value is None else int(value)
+
+
+def _per_replica(rows: int | None, replicas: int) -> int | None:
+    """Each replica's rows of a micro-batch of `rows` global rows (the
+    held step sizes micro-batches in a replica's share)."""
+    return None if rows is None else -(-rows // replicas)
