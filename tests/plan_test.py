@@ -6,7 +6,10 @@ cannot train); a memory limit passed to `plan` stands in for a small
 device, and `RealCapTest` plans under a capped allocator in a child.
 """
 
+import dataclasses
+import functools
 import os
+from unittest import mock
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
 # be chosen before TensorFlow is imported.
@@ -21,13 +24,15 @@ import tfmemsafe  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
 from tfmemsafe.planning import Candidate  # noqa: E402
 from tfmemsafe.planning import _plan  # noqa: E402
+from tfmemsafe.planning import _workers  # noqa: E402
 
 _ROWS = 1024
 _BATCH = 512
 
 
-def _residual(width=64, blocks=4, seed=0):
-    """Dense blocks (nested functional models) with residual adds."""
+def _residual(width=64, blocks=4, seed=0, model_class=keras.Model, layers=()):
+    """Dense blocks (nested functional models) with residual adds, after
+    `layers`."""
     keras.utils.set_random_seed(seed)
 
     def block():
@@ -36,11 +41,13 @@ def _residual(width=64, blocks=4, seed=0):
         hidden = keras.layers.Dense(width)(hidden)
         return keras.Model(inputs, keras.layers.Add()([inputs, hidden]))
 
-    inputs = keras.Input((16,))
-    x = keras.layers.Dense(width)(inputs)
+    inputs = x = keras.Input((16,))
+    for layer in layers:
+        x = layer(x)
+    x = keras.layers.Dense(width)(x)
     for _ in range(blocks):
         x = block()(x)
-    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    model = model_class(inputs, keras.layers.Dense(3)(x))
     # SGD: Adam would turn the rounding of near-zero gradients into
     # differences of its learning rate between equal updates.
     model.compile(
@@ -372,6 +379,164 @@ class MirroredStrategyTest(tf.test.TestCase):
         self.assertTrue(all(result["measured"]), msg=result)
         self.assertEqual(result["epochs"], 1)
         self.assertEqual(result["iterations"], _ROWS // _BATCH)
+
+
+def planned_on_a_worker(batch):
+    """A plan and a fit that follows it on one worker of a two-worker job
+    (an `AccumulatingModel`: Keras 3 cannot fit a plain model under the
+    strategy). On worker 1, more than half of its share runs out."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = _data(2 * batch)
+    worker = tfmemsafe.distribute.worker_index(strategy)
+    with strategy.scope():
+        model = _residual(
+            model_class=functools.partial(
+                tfmemsafe.AccumulatingModel, accumulation_steps=1
+            ),
+            layers=[testing.OutOfMemoryAbove(batch // 4 if worker else None)],
+        )
+    plan = tfmemsafe.plan(model, x, y, batch_size=batch, verbose=0)
+    made = {
+        "plan": [
+            (c.name, c.fits, c.predicted_peak_bytes, c.step_seconds)
+            for c in plan.candidates
+        ],
+        "chosen": plan.chosen.name,
+        "micro_batch_size": plan.micro_batch_size,
+        "text": str(plan),
+    }
+    history = tfmemsafe.fit(model, x, y, batch_size=batch, plan=plan, verbose=0)
+    return {
+        **made,
+        "split_into": [e.split_into for e in history.oom_events],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "weights": [w.tolist() for w in model.get_weights()],
+    }
+
+
+class MultiWorkerTest(tf.test.TestCase):
+    def test_every_worker_follows_one_plan_that_trained_on_all(self):
+        first, second = testing.run_workers(
+            planned_on_a_worker, 2, args=[_BATCH], timeout=600
+        )
+        text = f"{first['text']}\n{second['text']}"
+        # The same candidates, figures and choice on both workers (each
+        # measured its own share: the tables' limits are each its own).
+        self.assertEqual(first["plan"], second["plan"], msg=text)
+        self.assertEqual(
+            first["text"].split("\n")[1:], second["text"].split("\n")[1:]
+        )
+        self.assertIn("checkpointing: not considered", first["text"])
+        # The whole batch trained on worker 0 and ran out on worker 1: the
+        # job's choice is two micro-batches of the global batch, 128 rows
+        # of each worker's 256.
+        whole, halves = first["plan"][:2]
+        self.assertIsNone(whole[3], msg=text)
+        self.assertIn(
+            "did not train within the limit on every worker", first["text"]
+        )
+        self.assertEqual(first["chosen"], f"2 x {_BATCH // 2}", msg=text)
+        self.assertEqual(first["micro_batch_size"], _BATCH // 2)
+        self.assertIn(f"batch {_BATCH} ({_BATCH // 2} on each", first["text"])
+        # Followed from the first step: nothing ran out, one update a
+        # batch, the same weights on both workers.
+        self.assertEqual(first["split_into"], [])
+        self.assertEqual(second["split_into"], [])
+        self.assertEqual(first["iterations"], 2)
+        for a, b in zip(first["weights"], second["weights"], strict=True):
+            self.assertAllClose(a, b)
+
+
+def _exchanging_with(other_rows):
+    """`distribute.exchanged` beside another worker whose rows, one per
+    exchange, are `other_rows`."""
+    rows = iter(other_rows)
+
+    def exchanged(strategy, work, width, caller):
+        mine = np.asarray(work(), np.float64)
+        other = np.asarray(next(rows), np.float64)
+        assert mine.shape == other.shape == (width,)
+        return np.stack([mine, other])
+
+    return exchanged
+
+
+class AgreementTest(tf.test.TestCase):
+    """The rules by which workers agree, against a second worker's rows."""
+
+    def _candidates(self):
+        return [
+            Candidate(1, 256, False, 100, "estimate", True),
+            Candidate(2, 128, False, 60, "static bound", True),
+            Candidate(4, 64, False, 40, "static bound", True),
+            Candidate(8, 32, False, 30, "static bound", True),
+        ]
+
+    def test_a_split_fits_the_job_where_it_fits_every_worker(self):
+        # The other worker: the whole share does not fit it, and predicts
+        # higher; all its predictions are static bounds.
+        other = [[120, 0, 1], [70, 1, 1], [45, 1, 1], [35, 1, 1]]
+        with mock.patch.object(
+            tfmemsafe.distribute,
+            "exchanged",
+            _exchanging_with([sum(other, [])]),
+        ):
+            agreed = _workers.agreed_predictions(
+                None, self._candidates, splits=4
+            )
+        self.assertEqual(
+            [(c.micro_batches, c.fits, c.predicted_peak_bytes) for c in agreed],
+            [(1, False, 120), (2, True, 70), (4, True, 45)],
+        )
+        self.assertEqual(
+            [c.predicted_by for c in agreed],
+            ["estimate", "static bound", "static bound"],
+        )
+
+    def test_without_a_prediction_anywhere_the_whole_share_is_measured(self):
+        with mock.patch.object(
+            tfmemsafe.distribute,
+            "exchanged",
+            _exchanging_with([[np.nan] * 12]),
+        ):
+            agreed = _workers.agreed_predictions(
+                None, self._candidates, splits=4
+            )
+        self.assertLen(agreed, 1)
+        self.assertEqual((agreed[0].micro_batches, agreed[0].fits), (1, None))
+        self.assertIn("another worker", agreed[0].predicted_by)
+
+    def test_the_slowest_worker_times_and_what_ran_out_anywhere_is_out(self):
+        candidates = [
+            Candidate(1, 256, False, 100, "estimate", False),
+            Candidate(2, 128, False, 60, "estimate", True),
+            Candidate(4, 64, False, 40, "estimate", True),
+        ]
+        measured = {
+            2: dataclasses.replace(
+                candidates[1], step_seconds=0.5, measured_peak_bytes=50
+            ),
+            4: dataclasses.replace(
+                candidates[2], step_seconds=0.6, measured_peak_bytes=35
+            ),
+        }
+        # The other worker: 2 x 128 ran out; 4 x 64 slower there.
+        other = [np.nan, np.nan, np.nan, np.nan, 0.7, 38]
+        with mock.patch.object(
+            tfmemsafe.distribute, "exchanged", _exchanging_with([other])
+        ):
+            agreed = _workers.agreed_measurements(
+                None, lambda c: measured[c.micro_batches], candidates
+            )
+        self.assertEqual(agreed[0].note, "predicted not to fit")
+        self.assertIsNone(agreed[1].step_seconds)
+        self.assertEqual(
+            agreed[1].note, "did not train within the limit on every worker"
+        )
+        self.assertEqual(
+            (agreed[2].step_seconds, agreed[2].measured_peak_bytes), (0.7, 38)
+        )
+        self.assertEqual(_plan._chosen(agreed), agreed[2])
 
 
 # Under this cap the residual net's batch of 4096 runs out whole.

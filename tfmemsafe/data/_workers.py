@@ -21,52 +21,20 @@ every worker raises instead of waiting for it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tfmemsafe import distribute
 from tfmemsafe.data import _lengths
 
-
-def gathered(strategy, figures, *, failed: bool = False) -> np.ndarray:
-    """`distribute.gathered`, and whether any worker's planning failed.
-
-    Args:
-        strategy: The `MultiWorkerMirroredStrategy`.
-        figures: A 1-D sequence of numbers, of the same length on every
-            worker.
-        failed: bool. This worker's planning raised: its row says so
-            (in a last column), so that the others raise too.
-
-    Raises:
-        RuntimeError: If another worker's planning failed.
-    """
-    row = np.append(np.asarray(figures, np.float64).reshape(-1), float(failed))
-    table = distribute.gathered(strategy, row)
-    if not failed and table[:, -1].any():
-        raise RuntimeError(
-            "`memory_buckets` stopped: another worker of the job could not "
-            "plan the buckets (its error is in its own log)."
-        )
-    return table[:, :-1]
+_CALLER = "`memory_buckets`"
 
 
 def exchanged(strategy, plan, width: int):
-    """`plan()`'s figures from every worker, or this worker's error.
-
-    `plan` returns `width` numbers. If it raises, the other workers learn
-    it from the exchange, and its error is raised here after it.
-    """
-    try:
-        figures = plan()
-    except BaseException:  # Told to the others, then raised as it is.
-        gathered(strategy, np.zeros(width), failed=True)
-        raise
-    return gathered(strategy, figures)
+    """`distribute.exchanged` for `memory_buckets`."""
+    return distribute.exchanged(strategy, plan, width, _CALLER)
 
 
 def agreed_buckets(strategy, lengths, bucket_boundaries):
@@ -113,41 +81,15 @@ def agreed_sizes(strategy, sizes, width: int) -> list[int]:
     return [int(s) for s in exchanged(strategy, sizes, width).min(axis=0)]
 
 
-@contextlib.contextmanager
 def local_copy(model: keras.Model):
-    """A copy of `model` outside every strategy, compiled as it is.
-
-    Built from the model's config (`keras.models.clone_model`) with fresh
-    weights: the memory of a step does not depend on their values. Its
-    memory goes once the caller drops it too and collects garbage (a
-    Keras model is in reference cycles).
-    """
-    if tf.distribute.has_strategy():
-        raise ValueError(
-            "`memory_buckets` must be called outside `strategy.scope()` "
-            "for a multi-worker job: it measures a copy of the model "
-            "outside the strategy. Received a call inside the scope of "
-            f"{type(tf.distribute.get_strategy()).__name__}."
-        )
-    config = model.get_compile_config()
-    try:
-        copy = keras.models.clone_model(model)
-        if config is None:
-            raise ValueError("the model was not compiled from a config")
-        copy.compile_from_config(config)
-    except Exception as err:
-        raise ValueError(
-            "`memory_buckets` measures a multi-worker job's memory on a "
-            "copy of the model outside the strategy, and could not copy "
-            f"this one: {err}. Give its layers a complete `get_config`, "
-            "or pass an `estimate` of one device's step, made with "
-            "`tfmemsafe.estimate_memory(..., lengths=...)` on a model "
-            "outside the strategy."
-        ) from err
-    try:
-        yield copy
-    finally:
-        del copy
+    """`distribute.local_copy` for `memory_buckets`."""
+    return distribute.local_copy(
+        model,
+        _CALLER,
+        remedy=", or pass an `estimate` of one device's step, made with "
+        "`tfmemsafe.estimate_memory(..., lengths=...)` on a model outside "
+        "the strategy",
+    )
 
 
 def global_estimate(estimate, replicas: int):

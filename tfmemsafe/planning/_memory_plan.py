@@ -19,7 +19,7 @@ class Candidate:
         micro_batches: int. How many micro-batches the batch trains as
             (one update); `1` for the whole batch at once.
         micro_batch_size: int. The rows of each micro-batch (the last may
-            hold fewer).
+            hold fewer), of the global batch, as `batch_size` counts them.
         checkpointing: bool. Whether the model's blocks are recomputed in
             the backward pass (`tfmemsafe.Checkpointed`).
         predicted_peak_bytes: int or `None`. The step's predicted peak,
@@ -84,6 +84,9 @@ class MemoryPlan:
         seconds: float. How long planning took.
         split_batch_norm: bool. As `plan` was called with; `callback()`
             passes it on.
+        per_replica: int or `None`. On a multi-worker job, the rows of
+            each replica's share of the batch, which each worker measured;
+            `None` on one machine.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class MemoryPlan:
         not_tried,
         seconds,
         split_batch_norm=False,
+        per_replica=None,
     ):
         self._model = weakref.ref(model)
         self._checkpointed_model = checkpointed_model
@@ -110,6 +114,7 @@ class MemoryPlan:
         self.not_tried = tuple(not_tried)
         self.seconds = seconds
         self.split_batch_norm = split_batch_norm
+        self.per_replica = per_replica
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -182,9 +187,12 @@ class MemoryPlan:
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(6)]
+        batch = f"batch {self.batch_size}"
+        if self.per_replica is not None:
+            batch += f" ({self.per_replica} on each replica)"
         lines = [
-            f"MemoryPlan: batch {self.batch_size} on {self.device}, limit "
-            f"{limit} (90% usable); planned in {self.seconds:.1f} s"
+            f"MemoryPlan: {batch} on {self.device}, limit {limit} (90% "
+            f"usable); planned in {self.seconds:.1f} s"
         ]
         for row in rows:
             cells = [row[i].ljust(widths[i]) for i in range(6)] + [row[6]]

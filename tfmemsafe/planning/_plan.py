@@ -8,7 +8,9 @@ to fit, and twice as many, are then trained for a few steps on the
 model's own variables, which are put back exactly afterwards. Of those
 that trained without running out of memory, the simplest within 5% of
 the fastest is chosen. What trained is a fact: a candidate that ran out
-while measured is not chosen, whatever was predicted.
+while measured is not chosen, whatever was predicted. On a multi-worker
+job every worker plans its share of the batch and they agree on one plan
+(`_workers`).
 """
 
 from __future__ import annotations
@@ -22,25 +24,28 @@ from absl import logging
 from tfmemsafe import _checks
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
-from tfmemsafe import memory
 from tfmemsafe import recovery
 from tfmemsafe._keras_data import check_kind
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sources import source_for
+from tfmemsafe.planning import _workers
+from tfmemsafe.planning._candidates import limit_of
+from tfmemsafe.planning._candidates import predicted
 from tfmemsafe.planning._measure import measure
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._memory_plan import MemoryPlan
-from tfmemsafe.planning._size_planner import SizePlanner
 from tfmemsafe.planning._variants import checkpointed
 
 # Step times this close are one speed, on a machine whose load moves
 # them: the simpler candidate is chosen.
 _CLOSE = 0.05
 
-# Candidates measured per model: the fewest micro-batches predicted to
-# fit, and twice as many (smaller micro-batches are at times faster).
-_MEASURED_PER_MODEL = 2
+_NO_RECOMPUTATION_ON_WORKERS = (
+    "checkpointing: not considered for a multi-worker job (each worker "
+    "measures a copy of the model; wrap its blocks in tfmemsafe.Checkpointed "
+    "yourself, and plan that model)"
+)
 
 
 def plan(
@@ -79,6 +84,14 @@ def plan(
     measurement. The choice depends only on the measurements: the same
     measurements give the same plan.
 
+    Under a `MultiWorkerMirroredStrategy`, call it on every worker with
+    the same arguments, outside `strategy.scope()`: each worker measures
+    its replicas' share of the batch (`per_replica` rows) on a copy of the
+    model,
+    the workers agree on each candidate (the highest prediction, fitting
+    and trained where it did on every worker, the slowest step time), and
+    every worker gets the same plan, of micro-batches only.
+
     The dtype policy is not a candidate: `tfmemsafe.configure` sets mixed
     precision at import where the GPU computes faster in it, and the plan
     says which policy the model computes in.
@@ -112,9 +125,11 @@ def plan(
 
     Raises:
         TypeError: If `model` or `x` is of the wrong kind.
-        ValueError: If an argument is out of range, the job runs on
-            several workers, or `checkpointing=True` and the model cannot
-            be checkpointed.
+        ValueError: If an argument is out of range, or
+            `checkpointing=True` and the model cannot be checkpointed (or
+            the job runs on several workers).
+        RuntimeError: On a multi-worker job, if another worker's planning
+            raised.
 
     Example:
     >>> plan = tfmemsafe.plan(model, x, y, batch_size=512)
@@ -138,30 +153,100 @@ def plan(
             f"{type(x).__name__}"
         )
     strategy = model.distribute_strategy
-    if distribute.is_multi_worker(strategy):
-        raise ValueError(
-            "tfmemsafe.plan plans on one machine, and this job runs on "
-            "several workers. Plan on one machine with the same per-worker "
-            "batch, then pass the chosen micro_batch_size to "
-            "tfmemsafe.SplitBatchOnOOM."
-        )
     x, y, _ = unpacked(x, y)
-    source = source_for(
-        x if y is None else (x, y), "x", labelled=True, strategy=strategy
-    )
+    data = x if y is None else (x, y)
+    source = source_for(data, "x", labelled=True, strategy=strategy)
     rows = source.resolve_batch_size(batch_size)
-    devices = estimate_lib.devices_of(model)
-    limit = _limit(memory_limit, devices)
-    not_tried = [_precision(model)]
-    if not model.built:  # So that its layers and variables exist.
-        with strategy.scope():
-            model(source.sample_inputs(), training=False)
     split_batch_norm = _checks.boolean("split_batch_norm", split_batch_norm)
-    refusal = recovery.split_refusal(
+    not_tried = [_precision(model)]
+    if distribute.is_multi_worker(strategy):
+        if checkpointing is True:
+            raise ValueError(
+                "tfmemsafe.plan does not consider recomputation for a "
+                "multi-worker job: pass checkpointing='auto' or False, and "
+                "wrap the model's blocks in tfmemsafe.Checkpointed yourself "
+                "to plan that model. Received: checkpointing=True"
+            )
+        not_tried.append(
+            _NO_RECOMPUTATION_ON_WORKERS
+            if checkpointing
+            else "checkpointing: turned off (checkpointing=False)"
+        )
+        checkpointed_model = None
+        candidates, per_replica, device, limit, refusal = (
+            _workers.planned_by_every_worker(
+                model,
+                data,
+                rows,
+                memory_limit,
+                lambda: _refusal(model, source, split_batch_norm),
+                split_batch_norm,
+                steps,
+                _progress(1, verbose),
+            )
+        )
+    else:
+        per_replica = None
+        refusal = _refusal(model, source, split_batch_norm)
+        checkpointed_model, candidates, device, limit = _planned_here(
+            model,
+            source,
+            rows,
+            memory_limit,
+            checkpointing,
+            refusal is None,
+            split_batch_norm,
+            steps,
+            verbose,
+            not_tried,
+        )
+    if refusal is not None:
+        not_tried.insert(1, f"micro-batches: {refusal}")
+    made = MemoryPlan(
+        model,
+        checkpointed_model,
+        batch_size=rows,
+        device=device,
+        limit_bytes=limit,
+        candidates=candidates,
+        chosen=_chosen(candidates),
+        not_tried=not_tried,
+        seconds=time.perf_counter() - started,
+        split_batch_norm=split_batch_norm,
+        per_replica=per_replica,
+    )
+    logging.info("tfmemsafe.plan:\n%s", made)
+    return made
+
+
+def _refusal(model, source, split_batch_norm) -> str | None:
+    """Why the batches cannot be split exactly, or `None` (the model
+    built first, so that its layers and variables exist)."""
+    if not model.built:
+        with model.distribute_strategy.scope():
+            model(source.sample_inputs(), training=False)
+    return recovery.split_refusal(
         model, (source.sample_inputs(),), "train", split_batch_norm
     )
-    if refusal is not None:
-        not_tried.append(f"micro-batches: {refusal}")
+
+
+def _planned_here(
+    model,
+    source,
+    rows,
+    memory_limit,
+    checkpointing,
+    split,
+    split_batch_norm,
+    steps,
+    verbose,
+    not_tried,
+):
+    """`(checkpointed_model, candidates, device, limit)` on this machine:
+    the model as it is and, where it can be rebuilt, with its blocks
+    recomputed; what is not considered is added to `not_tried`."""
+    devices = estimate_lib.devices_of(model)
+    limit = limit_of(memory_limit, devices)
     models = [model]
     if checkpointing:
         variant, why = checkpointed(model)
@@ -176,18 +261,14 @@ def plan(
             )
     else:
         not_tried.append("checkpointing: turned off (checkpointing=False)")
-    progress = keras.utils.Progbar(
-        2 * len(models), verbose=0 if verbose == 0 else 1, unit_name="stage"
-    )
+    progress = _progress(len(models), verbose)
     candidates = []
     for stage, planned in enumerate(models):
-        predicted = _predicted(
-            planned, model, source, rows, limit, split=refusal is None
-        )
+        these = predicted(planned, model, source, rows, limit, split=split)
         progress.update(2 * stage + 1)
         candidates += _measured(
             planned,
-            predicted,
+            these,
             source,
             rows,
             steps,
@@ -196,21 +277,15 @@ def plan(
             split_batch_norm,
         )
         progress.update(2 * stage + 2)
-    chosen = _chosen(candidates)
-    made = MemoryPlan(
-        model,
-        models[1] if len(models) > 1 else None,
-        batch_size=rows,
-        device=devices[0],
-        limit_bytes=limit,
-        candidates=candidates,
-        chosen=chosen,
-        not_tried=not_tried,
-        seconds=time.perf_counter() - started,
-        split_batch_norm=split_batch_norm,
+    checkpointed_model = models[1] if len(models) > 1 else None
+    return checkpointed_model, candidates, devices[0], limit
+
+
+def _progress(models: int, verbose) -> keras.utils.Progbar:
+    """A bar of the stages: each model's prediction and measurement."""
+    return keras.utils.Progbar(
+        2 * models, verbose=0 if verbose == 0 else 1, unit_name="stage"
     )
-    logging.info("tfmemsafe.plan:\n%s", made)
-    return made
 
 
 def to_follow(
@@ -240,63 +315,12 @@ def to_follow(
     return plan_or_auto
 
 
-def _limit(memory_limit, devices) -> int | None:
-    """The bytes to plan within: the devices' smallest limit, or less."""
-    known = [memory.memory_info(d).limit_bytes for d in devices]
-    device_limit = min((b for b in known if b), default=None)
-    if memory_limit is None:
-        return device_limit
-    _checks.integer("memory_limit", memory_limit, 1)
-    return (
-        memory_limit
-        if device_limit is None
-        else min(memory_limit, device_limit)
-    )
-
-
 def _precision(model) -> str:
     return (
         "other precisions: the model computes in its dtype policy "
         f"'{model.dtype_policy.name}' (tfmemsafe.configure chooses mixed "
         "precision at import where the GPU computes faster in it)"
     )
-
-
-def _predicted(planned, model, source, rows, limit, split) -> list[Candidate]:
-    """Candidates from the whole batch to the fewest micro-batches
-    predicted to fit, and twice as many (the whole batch alone without
-    `split`); each with its prediction."""
-    recompute = planned is not model
-    if limit is None:
-        # Nothing can fit an unknown limit: the whole batch is measured,
-        # and split as it runs out.
-        why = "the device's memory limit is unknown"
-        return [Candidate(1, rows, recompute, None, why, None)]
-    planner = SizePlanner(planned, "tfmemsafe.plan", memory_estimate=True)
-    sums = estimate_lib.gradient_bytes(planned)
-    candidates, fitting = [], 0
-    micro = rows
-    while micro >= 1 and fitting < _MEASURED_PER_MODEL:
-        pieces = -(-rows // micro)
-        peak, by = planner.peak_bytes(
-            "training",
-            source,
-            micro,
-            largest_probe=max(1, rows // 2),
-            limit=limit,
-            beside=sums if pieces > 1 else 0,  # The split's gradient sums.
-        )
-        if peak is None:
-            # Nothing predicts: the whole batch is measured, and split as
-            # it runs out.
-            return [Candidate(1, rows, recompute, None, by, None)]
-        fits = memory.fits_within(peak, limit)
-        fitting += fits
-        candidates.append(
-            Candidate(pieces, micro, recompute, int(peak), by, fits)
-        )
-        micro = micro // 2 if micro > 1 and split else 0
-    return candidates
 
 
 def _measured(

@@ -30,8 +30,9 @@ def split_refusal(
     or `None` when it can.
 
     A model with its own `train_step` is split as calls of that step on
-    the pieces (see docs/oom-recovery.md), so only Keras' own steps are
-    checked: each loss must divide by the batch's rows (reduction
+    the pieces (see docs/oom-recovery.md), except under a multi-worker
+    strategy, so only Keras' own steps are checked: each loss must
+    divide by the batch's rows (reduction
     `"sum_over_batch_size"`, the default, or `"mean"`; or
     `"mean_with_sample_weight"` on a batch without sample weights), the
     outputs must carry no mask (a masked loss divides by the unmasked
@@ -45,6 +46,11 @@ def split_refusal(
         return None
     own = type(model).train_step in OWN_TRAIN_STEPS
     if name == "train" and not own:
+        if distribute.is_multi_worker(model.distribute_strategy):
+            return (
+                "the model has its own `train_step`, whose update cannot "
+                "wait for every worker of a multi-worker job to agree"
+            )
         return None
     if name == "train" and (
         model.run_eagerly or tf.config.functions_run_eagerly()

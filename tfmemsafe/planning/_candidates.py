@@ -1,0 +1,72 @@
+"""The candidates of a plan and their predicted peaks: `predicted`.
+
+For a model (as it is, or with its blocks recomputed), the whole batch and
+halvings of it as micro-batches, each predicted by the memory model (the
+static bound first, probes only where the bound does not settle it).
+"""
+
+from __future__ import annotations
+
+from tfmemsafe import _checks
+from tfmemsafe import estimate as estimate_lib
+from tfmemsafe import memory
+from tfmemsafe.planning._memory_plan import Candidate
+from tfmemsafe.planning._size_planner import SizePlanner
+
+# Candidates measured per model: the fewest micro-batches predicted to
+# fit, and twice as many (smaller micro-batches are at times faster).
+MEASURED_PER_MODEL = 2
+
+
+def limit_of(memory_limit, devices) -> int | None:
+    """The bytes to plan within: the devices' smallest limit, or less."""
+    known = [memory.memory_info(d).limit_bytes for d in devices]
+    device_limit = min((b for b in known if b), default=None)
+    if memory_limit is None:
+        return device_limit
+    _checks.integer("memory_limit", memory_limit, 1)
+    return (
+        memory_limit
+        if device_limit is None
+        else min(memory_limit, device_limit)
+    )
+
+
+def predicted(
+    planned, model, source, rows, limit, split, every=False
+) -> list[Candidate]:
+    """Candidates from the whole batch to the fewest micro-batches
+    predicted to fit, and twice as many (the whole batch alone without
+    `split`; with `every`, every halving down to one row); each with its
+    prediction."""
+    recompute = planned is not model
+    if limit is None:
+        # Nothing can fit an unknown limit: the whole batch is measured,
+        # and split as it runs out.
+        why = "the device's memory limit is unknown"
+        return [Candidate(1, rows, recompute, None, why, None)]
+    planner = SizePlanner(planned, "tfmemsafe.plan", memory_estimate=True)
+    sums = estimate_lib.gradient_bytes(planned)
+    candidates, fitting = [], 0
+    micro = rows
+    while micro >= 1 and (every or fitting < MEASURED_PER_MODEL):
+        pieces = -(-rows // micro)
+        peak, by = planner.peak_bytes(
+            "training",
+            source,
+            micro,
+            largest_probe=max(1, rows // 2),
+            limit=limit,
+            beside=sums if pieces > 1 else 0,  # The split's gradient sums.
+        )
+        if peak is None:
+            # Nothing predicts: the whole batch is measured, and split as
+            # it runs out.
+            return [Candidate(1, rows, recompute, None, by, None)]
+        fits = memory.fits_within(peak, limit)
+        fitting += fits
+        candidates.append(
+            Candidate(pieces, micro, recompute, int(peak), by, fits)
+        )
+        micro = micro // 2 if micro > 1 and split else 0
+    return candidates
