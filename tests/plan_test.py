@@ -448,7 +448,7 @@ class MultiWorkerTest(tf.test.TestCase):
 
 
 def _exchanging_with(other_rows):
-    """`distribute.exchanged` beside another worker whose rows, one per
+    """`_agreement.exchanged` beside another worker whose rows, one per
     exchange, are `other_rows`."""
     rows = iter(other_rows)
 
@@ -477,7 +477,7 @@ class AgreementTest(tf.test.TestCase):
         # higher; all its predictions are static bounds.
         other = [[120, 0, 1], [70, 1, 1], [45, 1, 1], [35, 1, 1]]
         with mock.patch.object(
-            tfmemsafe.distribute,
+            tfmemsafe._agreement,
             "exchanged",
             _exchanging_with([sum(other, [])]),
         ):
@@ -495,7 +495,7 @@ class AgreementTest(tf.test.TestCase):
 
     def test_without_a_prediction_anywhere_the_whole_share_is_measured(self):
         with mock.patch.object(
-            tfmemsafe.distribute,
+            tfmemsafe._agreement,
             "exchanged",
             _exchanging_with([[np.nan] * 12]),
         ):
@@ -523,7 +523,7 @@ class AgreementTest(tf.test.TestCase):
         # The other worker: 2 x 128 ran out; 4 x 64 slower there.
         other = [np.nan, np.nan, np.nan, np.nan, 0.7, 38]
         with mock.patch.object(
-            tfmemsafe.distribute, "exchanged", _exchanging_with([other])
+            tfmemsafe._agreement, "exchanged", _exchanging_with([other])
         ):
             agreed = _workers.agreed_measurements(
                 None, lambda c: measured[c.micro_batches], candidates

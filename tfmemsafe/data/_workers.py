@@ -26,15 +26,15 @@ import dataclasses
 import keras
 import numpy as np
 
-from tfmemsafe import distribute
+from tfmemsafe import _agreement
 from tfmemsafe.data import _lengths
 
 _CALLER = "`memory_buckets`"
 
 
 def exchanged(strategy, plan, width: int):
-    """`distribute.exchanged` for `memory_buckets`."""
-    return distribute.exchanged(strategy, plan, width, _CALLER)
+    """`_agreement.exchanged` for `memory_buckets`."""
+    return _agreement.exchanged(strategy, plan, width, _CALLER)
 
 
 def agreed_buckets(strategy, lengths, bucket_boundaries):
@@ -82,8 +82,8 @@ def agreed_sizes(strategy, sizes, width: int) -> list[int]:
 
 
 def local_copy(model: keras.Model):
-    """`distribute.local_copy` for `memory_buckets`."""
-    return distribute.local_copy(
+    """`_agreement.local_copy` for `memory_buckets`."""
+    return _agreement.local_copy(
         model,
         _CALLER,
         remedy=", or pass an `estimate` of one device's step, made with "

@@ -10,6 +10,9 @@ import keras
 from tfmemsafe._messages import mib
 from tfmemsafe.recovery import SplitBatchOnOOM
 
+# `Candidate.predicted_by` of an upper bound from the traced step.
+STATIC_BOUND = "static bound"
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -211,7 +214,7 @@ class MemoryPlan:
 def _predicted(candidate) -> str:
     if candidate.predicted_peak_bytes is None:
         return "-"
-    by = " (bound)" if candidate.predicted_by == "static bound" else ""
+    by = " (bound)" if candidate.predicted_by == STATIC_BOUND else ""
     return mib(candidate.predicted_peak_bytes) + by
 
 

@@ -28,6 +28,7 @@ from tfmemsafe import memory
 from tfmemsafe._messages import mib
 from tfmemsafe.errors import MemoryEstimateError
 from tfmemsafe.errors import OutOfMemoryError
+from tfmemsafe.planning._memory_plan import STATIC_BOUND
 
 # The compiled step each phase runs.
 _STEPS = {
@@ -166,7 +167,7 @@ class SizePlanner:
         if self._under_bound(facts, source, batch_size):
             bound = facts.bound.peak_bytes(batch_size, source) + beside
             if memory.fits_within(bound, limit):
-                return bound, "static bound"
+                return bound, STATIC_BOUND
         made = self.estimate(phase, source, largest_probe)
         if made is None:
             return None, self._refused.get(

@@ -3,10 +3,10 @@
 Under `MultiWorkerMirroredStrategy` each worker trains its share of every
 global batch, and every worker must split its share alike. So each worker
 measures its own device, on a copy of the model outside the strategy
-(`distribute.local_copy`: a probe of the model itself would run the job's
+(`_agreement.local_copy`: a probe of the model itself would run the job's
 collectives) at its share of the batch, and the workers choose from
 figures they all hold, exchanged with the strategy's own all-reduce
-(`distribute.exchanged`):
+(`_agreement.exchanged`):
 
 - every split of the share, from the whole share to micro-batches of one
   row, is predicted on every worker; the job's prediction is the highest,
@@ -28,17 +28,17 @@ import gc
 
 import numpy as np
 
-from tfmemsafe import distribute
+from tfmemsafe import _agreement
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe._sources import source_for
 from tfmemsafe.planning._candidates import MEASURED_PER_MODEL
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
 from tfmemsafe.planning._measure import measure
+from tfmemsafe.planning._memory_plan import STATIC_BOUND
 from tfmemsafe.planning._memory_plan import Candidate
 
 _CALLER = "tfmemsafe.plan"
-_BOUND = "static bound"
 
 
 def planned_by_every_worker(
@@ -83,7 +83,7 @@ def _planned_on_a_copy(
             # model's first call, its copy) says so to the others.
             ready["refusal"] = refusal()
             ready["copy"] = stack.enter_context(
-                distribute.local_copy(model, _CALLER)
+                _agreement.local_copy(model, _CALLER)
             )
             ready["source"] = source_for(
                 data,
@@ -95,7 +95,7 @@ def _planned_on_a_copy(
             ready["limit"] = limit_of(memory_limit, ready["devices"])
             return []
 
-        distribute.exchanged(strategy, prepare, 0, _CALLER)
+        _agreement.exchanged(strategy, prepare, 0, _CALLER)
         copy, source = ready["copy"], ready["source"]
         devices, limit = ready["devices"], ready["limit"]
         split = ready["refusal"] is None
@@ -145,11 +145,11 @@ def agreed_predictions(strategy, predict, splits: int) -> list[Candidate]:
             for value in (
                 c.predicted_peak_bytes,
                 c.fits,
-                c.predicted_by == _BOUND,
+                c.predicted_by == STATIC_BOUND,
             )
         ]
 
-    table = distribute.exchanged(strategy, figures, 3 * splits, _CALLER)
+    table = _agreement.exchanged(strategy, figures, 3 * splits, _CALLER)
     candidates = mine["candidates"]
     if np.isnan(table).any():
         first = candidates[0]
@@ -167,7 +167,7 @@ def agreed_predictions(strategy, predict, splits: int) -> list[Candidate]:
             dataclasses.replace(
                 candidate,
                 predicted_peak_bytes=int(peaks.max()),
-                predicted_by=_BOUND if bound.all() else "estimate",
+                predicted_by=STATIC_BOUND if bound.all() else "estimate",
                 fits=fits,
             )
         )
@@ -202,7 +202,7 @@ def agreed_measurements(strategy, trained, candidates) -> list[Candidate]:
             ]
         return row
 
-    table = distribute.exchanged(
+    table = _agreement.exchanged(
         strategy, figures, 2 * len(candidates), _CALLER
     )
     agreed = []

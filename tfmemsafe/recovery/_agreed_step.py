@@ -35,6 +35,7 @@ import threading
 
 import tensorflow as tf
 
+from tfmemsafe import _agreement
 from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.accumulation import accumulation_steps_of
@@ -196,7 +197,7 @@ def agree(strategy, failure: BaseException | None) -> None:
         memory".
     """
     ran_out = failure is not None and memory.is_oom_error(failure)
-    table = distribute.gathered(
+    table = _agreement.gathered(
         strategy, [float(ran_out), float(failure is not None and not ran_out)]
     )
     if not table.any():
@@ -232,7 +233,7 @@ def agreed_rows(strategy, rows: int | None) -> int | None:
     batch or none at all, if any asked for `None`), on every worker: each
     measures its own memory, and all must split alike."""
     fewest = int(
-        distribute.gathered(strategy, [0 if rows is None else rows])[:, 0].min()
+        _agreement.gathered(strategy, [0 if rows is None else rows])[:, 0].min()
     )
     return None if fewest == 0 else fewest
 
@@ -242,7 +243,7 @@ def agreed_sizes(strategy, rows: int, grown: int | None, piece: int):
     any worker's share (so that all take the whole-batch step or all
     split), the fewest rows to grow back to (`None` if any stays), and
     the fewest rows of a micro-batch."""
-    table = distribute.gathered(strategy, [rows, grown or 0, piece])
+    table = _agreement.gathered(strategy, [rows, grown or 0, piece])
     fewest_grown = int(table[:, 1].min())
     return (
         int(table[:, 0].max()),
