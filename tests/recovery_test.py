@@ -567,9 +567,15 @@ def mirrored_strategy_with_memory_held_under_cap():
         model = _conv_net()
     # Two replicas share one allocator; their peaks at a global batch
     # are those of one device's (the scheduler rarely runs both
-    # replicas' convolution gradients at once).
+    # replicas' convolution gradients at once). Whole batches from the
+    # start: the pre-flight check's micro-batches can fit beside the
+    # held memory, and the hold must make a batch run out.
     result = _fit_with_memory_held(
-        model, _aligned_rows(x, y), [model.optimizer], batch_size=_HELD_BATCH
+        model,
+        _aligned_rows(x, y),
+        [model.optimizer],
+        batch_size=_HELD_BATCH,
+        preflight=False,
     )
     variables = model.variables + model.optimizer.variables
     result["replicas_agree"] = all(
