@@ -526,7 +526,15 @@ class AgreementTest(tf.test.TestCase):
             tfmemsafe._agreement, "exchanged", _exchanging_with([other])
         ):
             agreed = _workers.agreed_measurements(
-                None, lambda c: measured[c.micro_batches], candidates
+                None,
+                lambda these: [
+                    measured.get(
+                        c.micro_batches,
+                        dataclasses.replace(c, note="predicted not to fit"),
+                    )
+                    for c in these
+                ],
+                candidates,
             )
         self.assertEqual(agreed[0].note, "predicted not to fit")
         self.assertIsNone(agreed[1].step_seconds)

@@ -1,4 +1,4 @@
-"""Training a candidate of a plan for a few steps: `measure`.
+"""Training the candidates of a plan for a few steps: `measured`.
 
 The steps train the model's own variables, which are put back exactly
 afterwards; the candidate comes back with its median step time and peak,
@@ -69,6 +69,21 @@ def measure(
         step_seconds=statistics.median(times.seconds[1:])
         / _steps_per_call(planned),
     )
+
+
+def measured(
+    planned, candidates, source, rows, steps, devices, limit, split_batch_norm
+):
+    """`candidates`, each trained and measured (`measure`) but those
+    predicted not to fit."""
+    return [
+        dataclasses.replace(c, note="predicted not to fit")
+        if c.fits is False
+        else measure(
+            planned, c, source, rows, steps, devices, limit, split_batch_norm
+        )
+        for c in candidates
+    ]
 
 
 def _trained(planned, candidate, source, rows, steps, times, split) -> str:

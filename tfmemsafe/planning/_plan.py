@@ -15,7 +15,6 @@ job every worker plans its share of the batch and they agree on one plan
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import keras
@@ -32,7 +31,7 @@ from tfmemsafe._sources import source_for
 from tfmemsafe.planning import _workers
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
-from tfmemsafe.planning._measure import measure
+from tfmemsafe.planning._measure import measured
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._memory_plan import MemoryPlan
 from tfmemsafe.planning._variants import checkpointed
@@ -266,7 +265,7 @@ def _planned_here(
     for stage, planned in enumerate(models):
         these = predicted(planned, model, source, rows, limit, split=split)
         progress.update(2 * stage + 1)
-        candidates += _measured(
+        candidates += measured(
             planned,
             these,
             source,
@@ -321,32 +320,6 @@ def _precision(model) -> str:
         f"'{model.dtype_policy.name}' (tfmemsafe.configure chooses mixed "
         "precision at import where the GPU computes faster in it)"
     )
-
-
-def _measured(
-    planned, candidates, source, rows, steps, devices, limit, split_batch_norm
-):
-    """`candidates` with those to measure trained and measured."""
-    measured = []
-    for candidate in candidates:
-        if candidate.fits is False:
-            measured.append(
-                dataclasses.replace(candidate, note="predicted not to fit")
-            )
-            continue
-        measured.append(
-            measure(
-                planned,
-                candidate,
-                source,
-                rows,
-                steps,
-                devices,
-                limit,
-                split_batch_norm,
-            )
-        )
-    return measured
 
 
 def _chosen(candidates) -> Candidate:

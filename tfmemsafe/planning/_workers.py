@@ -34,7 +34,7 @@ from tfmemsafe._sources import source_for
 from tfmemsafe.planning._candidates import MEASURED_PER_MODEL
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
-from tfmemsafe.planning._measure import measure
+from tfmemsafe.planning._measure import measured
 from tfmemsafe.planning._memory_plan import STATIC_BOUND
 from tfmemsafe.planning._memory_plan import Candidate
 
@@ -107,8 +107,15 @@ def _planned_on_a_copy(
         progress.update(1)
         candidates = agreed_measurements(
             strategy,
-            lambda c: measure(
-                copy, c, source, share, steps, devices, limit, split_batch_norm
+            lambda these: measured(
+                copy,
+                these,
+                source,
+                share,
+                steps,
+                devices,
+                limit,
+                split_batch_norm,
             ),
             candidates,
         )
@@ -178,29 +185,19 @@ def agreed_predictions(strategy, predict, splits: int) -> list[Candidate]:
 
 
 def agreed_measurements(strategy, trained, candidates) -> list[Candidate]:
-    """`trained(candidate)` of each of `candidates`, the same on every
-    worker: the slowest worker's step time and the highest peak, and a
-    candidate that did not train (or went over the limit) on any worker
-    not trained."""
-    measured = {}
+    """`trained(candidates)`, this worker's measurements of them, the same
+    on every worker: the slowest worker's step time and the highest peak,
+    and a candidate that did not train (or went over the limit) on any
+    worker not trained."""
+    mine = {}
 
     def figures():
-        row = []
-        for index, candidate in enumerate(candidates):
-            if candidate.fits is False:
-                measured[index] = dataclasses.replace(
-                    candidate, note="predicted not to fit"
-                )
-                row += [np.nan, np.nan]
-                continue
-            measured[index] = done = trained(candidate)
-            row += [
-                np.nan if done.step_seconds is None else done.step_seconds,
-                np.nan
-                if done.measured_peak_bytes is None
-                else done.measured_peak_bytes,
-            ]
-        return row
+        mine["candidates"] = trained(candidates)
+        return [
+            np.nan if value is None else value
+            for c in mine["candidates"]
+            for value in (c.step_seconds, c.measured_peak_bytes)
+        ]
 
     table = _agreement.exchanged(
         strategy, figures, 2 * len(candidates), _CALLER
@@ -210,7 +207,7 @@ def agreed_measurements(strategy, trained, candidates) -> list[Candidate]:
         seconds, peaks = table[:, 2 * index], table[:, 2 * index + 1]
         peak = None if np.isnan(peaks).any() else int(peaks.max())
         if candidate.fits is False:
-            agreed.append(measured[index])
+            agreed.append(mine["candidates"][index])
         elif np.isnan(seconds).any():
             agreed.append(
                 dataclasses.replace(
