@@ -133,14 +133,17 @@ def _fit_arguments(kind, x, y, batch_size, **extra):
         )
     if kind == "dataset":
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-        return dict(x=data, **extra)
+        return dict(x=data, shuffle=False, **extra)
     if kind == "py_dataset":
         # Keras from 3.16 shuffles a PyDataset's batches unless told not to.
         return dict(x=_Batches(x, y, batch_size), shuffle=False, **extra)
     if kind == "generator":
         steps = -(-len(x) // batch_size)
         return dict(
-            x=_generator(x, y, batch_size), steps_per_epoch=steps, **extra
+            x=_generator(x, y, batch_size),
+            steps_per_epoch=steps,
+            shuffle=False,
+            **extra,
         )
     raise ValueError(kind)
 
@@ -170,7 +173,7 @@ class _Batches_seen(keras.callbacks.Callback):
 class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
     """A split batch makes the whole batch's update, to rounding."""
 
-    def _compare(self, build, fit_kwargs, runs_out_above=20, inexact=()):
+    def _compare(self, build, fit_kwargs, runs_out_above=20):
         reference = build(None)
         expected = reference.fit(verbose=0, **fit_kwargs()).history
         model = build(runs_out_above)
@@ -182,8 +185,7 @@ class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertEqual(expected.keys(), history.history.keys())
         for name, values in expected.items():
-            if name not in inexact:
-                self.assertAllClose(values, history.history[name], atol=1e-5)
+            self.assertAllClose(values, history.history[name], atol=1e-5)
         return model, split
 
     @parameterized.named_parameters(
@@ -244,17 +246,56 @@ class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
             lambda: _fit_arguments("arrays", x, y, 64, epochs=2),
         )
 
-    def test_multi_output_losses_match_the_whole_batch(self):
+    @parameterized.named_parameters(
+        # Keras weights each call of its step by the rows its static
+        # shapes show: unknown (a weight of 1) for arrays, 64 for batches
+        # dropping their remainder.
+        ("rows_unknown", False),
+        ("rows_static", True),
+    )
+    def test_multi_output_losses_match_the_whole_batch(self, static):
         x, y = _features()
         targets = {"classes": y, "value": x[:, :1]}
-        # Keras averages each output's own loss log over the calls of its
-        # step, unweighted: a split batch's micro-batches count as calls
-        # there (docs/oom-recovery.md). The total loss is exact.
-        self._compare(
-            _two_outputs,
-            lambda: dict(x=x, y=targets, batch_size=64, shuffle=False),
-            inexact=("classes_loss", "value_loss"),
+        weights = np.linspace(0.5, 1.5, len(y)).astype("float32")
+        if static:
+            batches = tf.data.Dataset.from_tensor_slices((x, targets, weights))
+            batches = batches.batch(64, drop_remainder=True)
+            arguments = lambda: dict(  # noqa: E731
+                x=batches, validation_data=batches, epochs=2, shuffle=False
+            )
+        else:
+            arguments = lambda: dict(  # noqa: E731
+                x=x,
+                y=targets,
+                sample_weight=weights,
+                batch_size=64,
+                epochs=2,
+                shuffle=False,
+                validation_split=0.25,
+            )
+        # Every log, each output's own loss (`classes_loss`) and the
+        # validation's (`val_classes_loss`, split by evaluation) included.
+        self._compare(_two_outputs, arguments)
+
+    def test_multi_output_evaluation_matches_the_whole_batch(self):
+        x, y = _features()
+        targets = {"classes": y, "value": x[:, :1]}
+        expected = _two_outputs(None).evaluate(
+            x, targets, batch_size=64, verbose=0, return_dict=True
         )
+        split = tfmemsafe.SplitBatchOnOOM()
+        found = _two_outputs(20).evaluate(
+            x,
+            targets,
+            batch_size=64,
+            verbose=0,
+            return_dict=True,
+            callbacks=[split],
+        )
+        self.assertNotEmpty(split.oom_events)
+        self.assertEqual(expected.keys(), found.keys())
+        for name, value in expected.items():
+            self.assertAllClose(value, found[name], atol=1e-5, msg=name)
 
     def test_loss_scale_optimizer_matches_the_whole_batch(self):
         x, y = _features()

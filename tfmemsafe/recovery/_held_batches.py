@@ -159,3 +159,16 @@ def per_replica(strategy, outputs) -> list:
         tf.nest.pack_sequence_as(outputs, [parts[r] for parts in flat])
         for r in range(strategy.num_replicas_in_sync)
     ]
+
+
+def joined_replicas(strategy, outputs):
+    """Per-replica predictions of consecutive micro-batches, joined as
+    Keras joins a batch's: each replica's pieces in order, then the
+    replicas in order."""
+    shares = [per_replica(strategy, out) for out in outputs]
+    return joined(
+        [
+            joined([share[r] for share in shares])
+            for r in range(strategy.num_replicas_in_sync)
+        ]
+    )

@@ -29,7 +29,7 @@ from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import SplitRefusals
 from tfmemsafe.recovery._held_batches import example_shape
 from tfmemsafe.recovery._held_batches import joined
-from tfmemsafe.recovery._held_batches import per_replica
+from tfmemsafe.recovery._held_batches import joined_replicas
 from tfmemsafe.recovery._held_batches import read
 from tfmemsafe.recovery._held_batches import reduced
 from tfmemsafe.recovery._held_batches import rows_of
@@ -39,7 +39,9 @@ from tfmemsafe.recovery._held_batches import without_optionals
 from tfmemsafe.recovery._micro_batch_size import DeviceReadings
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
 from tfmemsafe.recovery._model_steps import ModelSteps
+from tfmemsafe.recovery._output_losses import OutputLosses
 from tfmemsafe.recovery._run_record import RunRecord
+from tfmemsafe.recovery._run_record import given_up
 from tfmemsafe.recovery._run_record import in_the_update
 from tfmemsafe.recovery._run_record import not_split
 from tfmemsafe.recovery._run_record import one_example
@@ -106,6 +108,7 @@ class HeldSteps:
         # The current attempt's micro-batches begun and planned.
         self._pieces = self._planned = 0
         self._steps = ModelSteps(model)
+        self._losses = OutputLosses(model)
 
     def close(self) -> None:
         """Frees what the run's splits keep (their gradient sums)."""
@@ -204,10 +207,9 @@ class HeldSteps:
             else:
                 result = self._in_pieces(name, batch, rows, piece)
         except Exception as err:  # noqa: BLE001 (re-raised unless an OOM)
-            if isinstance(err, OutOfMemoryError) or not memory.is_oom_error(
-                err
-            ):
-                raise  # Not an allocation that failed, or given up.
+            ended = isinstance(err, OutOfMemoryError)  # Given up.
+            if ended or not memory.is_oom_error(err):
+                raise
             failure = err
         self.record.settle(max(self._planned, 1))
         if failure is None:
@@ -247,14 +249,18 @@ class HeldSteps:
                             lambda: split.train_piece(bounds)
                         ),
                     )
-            else:
-                self._each_piece(
-                    "train",
-                    rows,
-                    piece,
-                    lambda start, end: split.train_piece([(start, end)]),
-                )
-            return split.finish()
+                return split.finish()
+            self._each_piece(
+                "train",
+                rows,
+                piece,
+                self._losses.counted(
+                    lambda start, end: split.train_piece([(start, end)])
+                ),
+            )
+            return self._losses.finish(
+                self._steps.static_rows("train", rows), split.finish()
+            )
         finally:
             split.close()
 
@@ -265,30 +271,26 @@ class HeldSteps:
         out is tried again smaller; those before it stand."""
         replicas = self.strategy.num_replicas_in_sync
         reduce = name != "predict" or replicas == 1
-        outputs = self._each_piece(
+        run = lambda start, end: reduced(  # noqa: E731
+            self.strategy,
             name,
-            rows,
-            piece,
-            lambda start, end: reduced(
-                self.strategy,
-                name,
-                self._steps(name, sliced(batch, start, end, self.strategy)),
-                reduce,
-            ),
-            batch=batch,
+            self._steps(name, sliced(batch, start, end, self.strategy)),
+            reduce,
         )
+        # One evaluation call's per-output losses (a model's own
+        # `train_step` updates on each slice: each is a call).
+        one_call = name == "test" and replicas == 1
+        if one_call:
+            run = self._losses.counted(run)
+        outputs = self._each_piece(name, rows, piece, run, batch=batch)
+        if one_call:
+            static = self._steps.static_rows(name, rows)
+            return self._losses.finish(static, outputs[-1])
         if name != "predict":
             return outputs[-1]
         if reduce:
             return joined(outputs)
-        # Each replica's pieces in order, then the replicas in order, as
-        # Keras joins a batch's predictions.
-        return joined(
-            [
-                joined([per_replica(self.strategy, out)[r] for out in outputs])
-                for r in range(replicas)
-            ]
-        )
+        return joined_replicas(self.strategy, outputs)
 
     def _each_piece(
         self, name: str, rows: int, piece: int, run, batch=None
@@ -359,17 +361,13 @@ class HeldSteps:
         total = sum(share_rows(batch))
         refuse_xla_on_cpu(self.model, err)
         if self.guard.touched():
-            raise OutOfMemoryError(
-                in_the_update(total, err), tried_batch_sizes=(total,)
-            ) from err
+            raise given_up(in_the_update(total, err), total) from err
         refusal = self._refusals.of(name, batch)
         one_runs_out = None  # One example ran out: so would any micro-batch.
         if isinstance(refusal, BaseException):
             refusal, one_runs_out = None, refusal
         if refusal is not None:
-            raise OutOfMemoryError(
-                not_split(total, refusal, err), tried_batch_sizes=(total,)
-            ) from err
+            raise given_up(not_split(total, refusal, err), total) from err
         in_use = self.readings.in_use()
         if in_use is not None and name == "train" and self._splits_update():
             # The split's gradient sums, which the next attempt makes.
@@ -378,20 +376,17 @@ class HeldSteps:
             self.max_retries is not None
             and self.record.errors >= self.max_retries
         ):
-            raise OutOfMemoryError(
-                retries_used_up(total, self.max_retries, err),
-                tried_batch_sizes=(total,),
-            ) from err
+            message = retries_used_up(total, self.max_retries, err)
+            raise given_up(message, total) from err
         smaller = None
         if one_runs_out is None:
             smaller = self._size.ran_out(piece, in_use)
         # Every worker raises, or none.
         smaller = self._agreed_rows(smaller)
         if smaller is None:
-            raise OutOfMemoryError(
-                one_example(total, one_runs_out or err, self._size.floor),
-                tried_batch_sizes=(total,),
-            ) from (one_runs_out or err)
+            cause = one_runs_out or err
+            message = one_example(total, cause, self._size.floor)
+            raise given_up(message, total) from cause
         self.record.ran_out(
             name,
             err,

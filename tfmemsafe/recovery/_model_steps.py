@@ -24,6 +24,7 @@ class ModelSteps:
         self.model = model
         self.strategy = model.distribute_strategy
         self._traced = set()  # The steps traced on the data's spec.
+        self._spec_rows = {}  # The rows of the spec each was traced on.
         self._steps = {}
         for name, step in (
             ("train", model.train_step),
@@ -61,7 +62,18 @@ class ModelSteps:
         self._traced.add(name)
         spec = getattr(iterator, "element_spec", None)
         if spec is not None:
-            self._steps[name].get_concrete_function(without_optionals(spec))
+            spec = without_optionals(spec)
+            self._steps[name].get_concrete_function(spec)
+            self._spec_rows[name] = tf.nest.flatten(spec)[0].shape[0]
+
+    def static_rows(self, name: str, rows: int) -> int | None:
+        """The rows of a batch of `rows` that the `name` step's static
+        shapes show, as Keras' step would see them: all of them when it
+        runs eagerly, the data's static batch size when it was traced on
+        the data's spec, else `None` (unknown)."""
+        if self.model.run_eagerly:
+            return rows
+        return self._spec_rows.get(name)
 
     def build_optimizer(self, batch) -> None:
         """Builds the optimizer before the first step: built in that

@@ -13,6 +13,7 @@ import re
 import numpy as np
 from absl import logging
 
+from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.history import OOMEvent
 
@@ -170,3 +171,8 @@ def _mib(num_bytes) -> str:
     if num_bytes is None:
         return "unknown"
     return f"{np.asarray(num_bytes) / 2**20:.1f} MiB"
+
+
+def given_up(message: str, rows: int) -> OutOfMemoryError:
+    """The error that ends recovery from a batch of `rows`."""
+    return OutOfMemoryError(message, tried_batch_sizes=(rows,))

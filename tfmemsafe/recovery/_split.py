@@ -24,9 +24,8 @@ replicas' parts, as in Keras' own step: the update of the whole batch,
 to rounding.
 
 Under a `MultiWorkerMirroredStrategy` each micro-batch is a worker's own
-part, with no collective; `HeldSteps` has every worker agree after each
-(`on_every_worker`), so that one that runs out on one worker splits the
-batch finer on all of them, before the one update's all-reduce.
+part, with no collective; the workers agree after each (`on_every_worker`):
+one that runs out on any worker splits the batch finer on all of them.
 """
 
 from __future__ import annotations
@@ -127,7 +126,9 @@ class SplitBatch:
             reduce_retracing=True,
             jit_compile=self.model.jit_compile is True,
         )
-        self._update_function = tf.function(self._replicated_update)
+        self._update_function = tf.function(
+            lambda sparse: self.strategy.run(self._update, args=(sparse,))
+        )
         self._zero = tf.function(self._assign_zeros, autograph=False)
 
     def _assign_zeros(self):
@@ -300,9 +301,6 @@ class SplitBatch:
             weight if size is None else tf.cast(size, tf.float32)
         )
         self._updates[id(owner)] = (owner, name, variables)
-
-    def _replicated_update(self, sparse):
-        self.strategy.run(self._update, args=(sparse,))
 
     def _update(self, sparse):
         """The one update, with the weighted mean of the micro-batches
