@@ -867,6 +867,14 @@ class RefusedTest(parameterized.TestCase, tf.test.TestCase):
             tfmemsafe.SplitBatchOnOOM(grow_back_after=0)
         with self.assertRaisesRegex(ValueError, "`split_batch_norm` must"):
             tfmemsafe.SplitBatchOnOOM(split_batch_norm="yes")
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`min_micro_batch_size` must be <= `micro_batch_size`.*"
+            r"Received: min_micro_batch_size=8, micro_batch_size=4",
+        ):
+            tfmemsafe.SplitBatchOnOOM(
+                micro_batch_size=4, min_micro_batch_size=8
+            )
 
 
 class _TwoOptimizers(keras.Model):
@@ -881,6 +889,10 @@ class _TwoOptimizers(keras.Model):
         self.first_optimizer = keras.optimizers.SGD(1e-2)
         self.second_optimizer = keras.optimizers.SGD(1e-2)
         self.rows_seen = keras.metrics.Sum(name="rows_seen")
+
+    def build(self, input_shape):
+        self.first.build(input_shape)
+        self.second.build((*input_shape[:-1], 4))
 
     def call(self, inputs):
         return self.second(self.first(self.guard(inputs)))

@@ -898,6 +898,33 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         ):
             tfmemsafe.fit(_models.dense_model(), (x, y), **kwargs)
 
+    @parameterized.named_parameters(
+        ("string", "big"),
+        ("float", 2.5),
+        ("bool", True),
+    )
+    def test_batch_size_of_no_kind_names_every_kind(self, batch_size):
+        x, y = _models.table(8)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`batch_size` must be an integer >= 1, 'auto' or None\. "
+            rf"Received: batch_size={batch_size!r}",
+        ):
+            tfmemsafe.fit(_models.dense_model(), x, y, batch_size=batch_size)
+
+    def test_numpy_batch_size_is_taken(self):
+        x, y = _models.table(8)
+        history = tfmemsafe.fit(
+            _models.dense_model(), x, y, batch_size=np.int64(4), verbose=0
+        )
+        self.assertEqual(history.batch_size, 4)
+
+    def test_missing_x_raises_value_error(self):
+        with self.assertRaisesRegex(
+            ValueError, r"^`x` is required.*Received: x=None"
+        ):
+            tfmemsafe.fit(_models.dense_model())
+
     def test_callable_must_return_a_dataset(self):
         with self.assertRaisesRegex(TypeError, r"^`x` must return a tf"):
             tfmemsafe.fit(_models.dense_model(), lambda b: [1, 2], batch_size=2)

@@ -90,7 +90,8 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             grows back as above. Defaults to `None`: whole batches until
             one runs out.
         min_micro_batch_size: int. The fewest rows a micro-batch may
-            have; a micro-batch of that many that runs out raises
+            have, counted as `micro_batch_size` counts them, and at most
+            it; a micro-batch of that many that runs out raises
             `tfmemsafe.OutOfMemoryError`. Defaults to `1`.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from before raising `tfmemsafe.OutOfMemoryError`.
@@ -133,6 +134,16 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         self.min_micro_batch_size = _checks.integer(
             "min_micro_batch_size", min_micro_batch_size, 1
         )
+        if (
+            self.micro_batch_size is not None
+            and self.min_micro_batch_size > self.micro_batch_size
+        ):
+            raise ValueError(
+                "`min_micro_batch_size` must be <= `micro_batch_size`, the "
+                "micro-batch size to start at. Received: "
+                f"min_micro_batch_size={self.min_micro_batch_size}, "
+                f"micro_batch_size={self.micro_batch_size}"
+            )
         self.max_retries = _whole(max_retries)
         self.oom_events = []
         self.grow_back_events = []
@@ -208,7 +219,10 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
                 self.micro_batch_size,
                 model.distribute_strategy.num_replicas_in_sync,
             ),
-            min_micro_batch_size=self.min_micro_batch_size,
+            min_micro_batch_size=_per_replica(
+                self.min_micro_batch_size,
+                model.distribute_strategy.num_replicas_in_sync,
+            ),
             max_retries=self.max_retries,
         )
         _OWNERS[model] = self

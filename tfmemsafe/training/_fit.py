@@ -208,8 +208,20 @@ def fit(
             "`plan` plans the batch size asked for; pass an integer "
             "`batch_size`. Received: batch_size='auto'"
         )
+    if x is None:
+        raise ValueError(
+            "`x` is required: the training data, in any form `model.fit` "
+            "takes. Received: x=None"
+        )
+    if batch_size is not None and not (
+        batch_size == "auto" or _checks.is_integer(batch_size)
+    ):
+        raise ValueError(
+            "`batch_size` must be an integer >= 1, 'auto' or None. "
+            f"Received: batch_size={batch_size!r}"
+        )
     if batch_size is not None and batch_size != "auto":
-        batch_size = _checks.integer("batch_size", batch_size)
+        batch_size = int(batch_size)
     if validation_batch_size is not None:
         validation_batch_size = _checks.integer(
             "validation_batch_size", validation_batch_size
