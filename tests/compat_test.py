@@ -97,6 +97,27 @@ class PrivateNamesTest(tf.test.TestCase):
         self.assertLen(parts, 2)
         self.assertIsInstance(parts[1], keras.losses.Loss)
 
+    def test_the_per_output_losses_are_means_of_total_and_count(self):
+        # What a split batch's per-output loss logs are put back from
+        # (`recovery/_output_losses.py`).
+        inputs = keras.Input((4,))
+        model = keras.Model(
+            inputs,
+            {
+                "a": keras.layers.Dense(1, name="a")(inputs),
+                "b": keras.layers.Dense(1, name="b")(inputs),
+            },
+        )
+        model.compile("sgd", {"a": "mse", "b": "mse"})
+        x = np.zeros((4, 4), "float32")
+        model.fit(x, {"a": x[:, :1], "b": x[:, :1]}, verbose=0)
+        metrics = _compat.compiled_loss_and_metrics(model)[1].metrics
+        self.assertEqual([m.name for m in metrics], ["a_loss", "b_loss"])
+        for metric in metrics:
+            self.assertIsInstance(metric, keras.metrics.Mean)
+            names = sorted(v.name for v in metric.variables)
+            self.assertEqual(names, ["count", "total"])
+
     def test_one_process_is_not_in_multi_worker_mode(self):
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         self.assertTrue(

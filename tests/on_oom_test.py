@@ -22,6 +22,7 @@ from absl.testing import parameterized
 
 import tfmemsafe
 from tfmemsafe import testing
+from tfmemsafe.recovery import _output_losses
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
 
 _ROWS = 200
@@ -276,6 +277,20 @@ class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
         # Every log, each output's own loss (`classes_loss`) and the
         # validation's (`val_classes_loss`, split by evaluation) included.
         self._compare(_two_outputs, arguments)
+
+    def test_a_mean_named_otherwise_is_left_as_keras_counts_it(self):
+        class Renamed(keras.metrics.Mean):
+            """A `Mean` of a Keras that named its variables otherwise."""
+
+            def __init__(self):
+                keras.metrics.Metric.__init__(self, name="renamed")
+                self.total = self.add_variable((), "zeros", name="sum")
+                self.count = self.add_variable((), "zeros", name="n")
+
+        _output_losses._warned = False
+        with self.assertLogs(level="WARNING") as logs:
+            self.assertIsNone(_output_losses._total_and_count(Renamed()))
+        self.assertIn("['n', 'sum'], not 'total' and 'count'", logs.output[0])
 
     def test_multi_output_evaluation_matches_the_whole_batch(self):
         x, y = _features()

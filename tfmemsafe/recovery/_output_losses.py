@@ -15,6 +15,7 @@ weighted as Keras' step weights it.
 from __future__ import annotations
 
 import keras
+from absl import logging
 
 from tfmemsafe import _compat
 
@@ -94,7 +95,12 @@ class OutputLosses:
         compiled = _compat.compiled_loss_and_metrics(self.model)
         loss = compiled[1] if len(compiled) > 1 else None
         metrics = getattr(loss, "metrics", None) or []
-        return [m for m in metrics if isinstance(m, keras.metrics.Mean)]
+        return [
+            m
+            for m in metrics
+            if isinstance(m, keras.metrics.Mean)
+            and _total_and_count(m) is not None
+        ]
 
     def _read(self) -> dict:
         found = {}
@@ -104,7 +110,25 @@ class OutputLosses:
         return found
 
 
+_warned = False
+
+
 def _total_and_count(metric):
-    """A `keras.metrics.Mean`'s two variables, by their names."""
+    """A `keras.metrics.Mean`'s two variables, `total` and `count` (Keras
+    3.15 and 3.16 name them so), or `None`, said once, where a Keras
+    release names them otherwise: its split batches' logs then count each
+    micro-batch as a call."""
+    global _warned
     named = {v.name: v for v in metric.variables}
-    return named["total"], named["count"]
+    if "total" in named and "count" in named:
+        return named["total"], named["count"]
+    if not _warned:
+        _warned = True
+        logging.warning(
+            "SplitBatchOnOOM: this Keras names a Mean metric's variables "
+            "%s, not 'total' and 'count', so a split batch's per-output "
+            "losses count each micro-batch as a call of the step; the "
+            "weights and the other logs are the whole batch's.",
+            sorted(named),
+        )
+    return None
