@@ -7,12 +7,12 @@ length buckets of variable-length data (`memory_buckets`,
 model predicts to fit at its length.
 """
 
-from tfmemsafe.data._buckets import MemoryBuckets
 from tfmemsafe.data._buckets import bucket_by_memory
 from tfmemsafe.data._buckets import memory_buckets
 from tfmemsafe.data._datasets import CIFAR10_CLASSES
 from tfmemsafe.data._datasets import cifar10
 from tfmemsafe.data._datasets import digits
+from tfmemsafe.data._memory_buckets import MemoryBuckets
 
 __all__ = [
     "CIFAR10_CLASSES",
