@@ -17,8 +17,10 @@ def num_rows(structure) -> int:
 
 def cycled(parts, batch_size: int, steps: int, *, one_worker: bool, then=None):
     """`steps` batches of `batch_size` rows of `parts` (a tuple of
-    structures of tensors) from the first row, wrapping round at the end,
-    made as the run's own are (`gathered`, with `then`): the probes'."""
+    structures of tensors, its `None`s left out) from the first row,
+    wrapping round at the end, made as the run's own are (`gathered`, with
+    `then`): the probes' and the trials'."""
+    parts = tuple(part for part in parts if part is not None)
     rows = int(keras.tree.flatten(parts[0])[0].shape[0])
     indices = tf.data.Dataset.range(rows).repeat()
     indices = indices.batch(batch_size, drop_remainder=True).take(steps)

@@ -121,7 +121,7 @@ def for_keras(dataset, *, one_worker: bool):
 
     - tf.data's default graph optimizations rewrite a pipeline each time
       an iterator is made (each `fit`, `evaluate` and `predict` call,
-      which tfmemsafe makes once per epoch and once per retry), and the
+      and tfmemsafe's probes and trials make several), and the
       rewrite allocates a copy of every array the pipeline holds (32 MiB
       for 24 MiB of `from_tensor_slices` images): when that allocation
       fails, the process ends. They are turned off

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfmemsafe import _arrays
@@ -191,12 +190,12 @@ class Arrays(Source):
 
         Keras' array adapter converts `x`, `y` and `sample_weight` to
         tensors at the start of every `model.fit`, `evaluate` and
-        `predict` call (floats cast to `floatx`). tfmemsafe calls `fit`
-        once per epoch and again after each out-of-memory error, so it
-        converts them here, once, the same way, and each call gathers its
-        batches from these tensors by index. An epoch's order is then a
-        permutation of row indices, never a copy of the arrays; and nothing
-        is converted between an out-of-memory error and the retry, where a
+        `predict` call (floats cast to `floatx`). The memory estimate's
+        probes, `find_max_batch_size`'s trials and the planner's
+        measurements call `fit` at several batch sizes, so the arrays are
+        converted here, once, the same way, and each call gathers its
+        batches from these tensors by index: nothing is converted between
+        a trial that ran out of memory and the next, where a
         host-to-device conversion that fails for lack of memory ends the
         process inside TensorFlow instead of raising.
 
@@ -237,36 +236,6 @@ class Arrays(Source):
                 self._tensors = tensors
         return self._tensors or None
 
-    def _batches(self, tensors, batch_size: int, skip: int, order):
-        """The batches of `tensors` in `order` from row `skip`, as Keras'
-        array adapter makes them (a parallel gather, prefetched)."""
-        parts = tuple(part for part in tensors if part is not None)
-        if order is None:
-            rows = np.arange(skip, self.num_samples, dtype=np.int64)
-        else:
-            rows = np.asarray(order, np.int64)[skip:]
-        # Full batches of a static size, then the partial one, as Keras
-        # batches arrays: the step is traced at the same shapes.
-        full = len(rows) // batch_size * batch_size
-        # `from_tensor_slices` copies a row that does not start on a
-        # 64-byte boundary, through an allocation it does not check (with
-        # the allocator full, the process ends): each row of indices is
-        # padded to a multiple of 8, and cut back by a `map`.
-        width = -(-batch_size // 8) * 8
-        table = np.zeros((full // batch_size, width), np.int64)
-        table[:, :batch_size] = rows[:full].reshape(-1, batch_size)
-        # The map functions have no control flow for autograph to convert
-        # (converting them is most of their tracing, three an epoch).
-        indices = tf.data.Dataset.from_tensor_slices(table).map(
-            tf.autograph.experimental.do_not_convert(
-                lambda row: row[:batch_size]
-            )
-        )
-        if full < len(rows):
-            remainder = tf.data.Dataset.from_tensors(rows[full:])
-            indices = indices.concatenate(remainder)
-        return _arrays.gathered(indices, parts, one_worker=self.one_worker)
-
     def _array_arguments(self, batch_size) -> dict:
         """The arrays themselves, for Keras to convert and slice."""
         return {
@@ -281,8 +250,10 @@ class Arrays(Source):
         # all, and the trial must need what training will.
         tensors = self.tensors()
         if tensors is not None:
-            batches = self._batches(tensors, batch_size, 0, None)
-            return {"x": batches.repeat().take(steps), "shuffle": False}
+            batches = _arrays.cycled(
+                tensors, batch_size, steps, one_worker=self.one_worker
+            )
+            return {"x": batches, "shuffle": False}
         arguments = self._array_arguments(batch_size)
         arguments.update(shuffle=False, steps_per_epoch=steps)
         return arguments

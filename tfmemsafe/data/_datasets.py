@@ -2,8 +2,8 @@
 
 Both return an *unbatched* `tf.data.Dataset` of `(image, label)` with
 images as uint8 in 0..255 and labels as int64, so that `tfmemsafe.fit` can
-batch it at any size (and rebatch it after an out-of-memory error) and
-models do their own scaling. Training splits are shuffled every epoch.
+batch it at any size (`batch_size="auto"` tries several) and models do
+their own scaling. Training splits are shuffled every epoch.
 """
 
 from __future__ import annotations

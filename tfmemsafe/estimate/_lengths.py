@@ -71,7 +71,7 @@ def _batches(source, batch_size: int, steps: int, resized):
             # parallel gather, before its prefetch (whose buffers then
             # hold batches at `length`, as the run's would).
             return _arrays.cycled(
-                tuple(part for part in tensors if part is not None),
+                tensors,
                 batch_size,
                 steps,
                 one_worker=source.one_worker,

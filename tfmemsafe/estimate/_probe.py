@@ -277,7 +277,7 @@ class Probe:
         run's own are (`_arrays.gathered`): with its parallel gather and
         final prefetch, whose batches are alive during its steps."""
         return _arrays.cycled(
-            tuple(part for part in self._arrays if part is not None),
+            self._arrays,
             batch_size,
             PROBE_STEPS,
             one_worker=self.source.one_worker,
