@@ -192,6 +192,47 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
             self.assertIn("PerReplica", error)
 
 
+def _one_worker_stops_the_job():
+    """Worker 1 runs out and stops the job while worker 0 waits for it in
+    an all-reduce; each returns the error `stop_all_workers` gives it."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    if distribute.worker_index(strategy) == 1:
+        err = tf.errors.ResourceExhaustedError(
+            None, None, "OOM when allocating"
+        )
+        return str(distribute.stop_all_workers(err, 64, strategy))
+    try:
+        strategy.reduce(
+            "SUM", strategy.run(lambda: tf.constant(1.0)), axis=None
+        )
+    except Exception as err:  # noqa: BLE001 (the error is the result)
+        return str(distribute.stop_all_workers(err, 64, strategy))
+    return "the all-reduce finished"
+
+
+class StopAllWorkersTest(tf.test.TestCase):
+    def test_one_worker_stops_every_worker_with_its_words(self):
+        results = testing.run_workers(_one_worker_stops_the_job, 2, timeout=300)
+        self.assertLen(results, 2)
+        for result in results:
+            self.assertStartsWith(
+                result, "Out of memory on worker 1 of 2 at global batch size 64"
+            )
+            self.assertIn("(for example 32)", result)
+
+    def test_alone_it_says_how_to_restart(self):
+        err = tf.errors.ResourceExhaustedError(
+            None, None, "OOM when allocating"
+        )
+        with self.assertLogs(level="WARNING"):
+            stopped = distribute.stop_all_workers(err, 64)
+        self.assertIsInstance(stopped, tfmemsafe.OutOfMemoryError)
+        self.assertStartsWith(
+            str(stopped),
+            "Out of memory on worker 0 of 1 at global batch size 64",
+        )
+
+
 class HelpersTest(tf.test.TestCase):
     def test_one_process_is_not_multi_worker(self):
         self.assertFalse(distribute.is_multi_worker())

@@ -61,9 +61,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     After a job fails, for example because one worker ran out of memory,
     start every worker again with the same `backup_dir`: training resumes
-    after the last epoch the chief backed up. After an OOM,
-    `tfmemsafe.fit` stores the smaller batch size with the backup, so the
-    same command resumes at it.
+    after the last epoch the chief backed up.
 
     Args:
         backup_dir: str. A directory every worker can read. Other
@@ -81,79 +79,47 @@ class MultiWorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 def stop_all_workers(
-    err: BaseException,
-    batch_size: int,
-    strategy=None,
-    resume_batch_size: int | None = None,
+    err: BaseException, batch_size: int, strategy=None
 ) -> OutOfMemoryError:
-    """Stops the whole job after one worker ran out of memory.
+    """Stops the whole job after one worker ran out of memory, in your own
+    training loop.
 
     A multi-worker job cannot halve its batch on one worker alone: the
     other workers are waiting for it in the same collective and would wait
     until their timeouts (or forever). So the worker that ran out reports
     it to the cluster's coordination service, which fails every worker's
     pending collective at once with the same message, and each worker
-    raises the returned error. Where every worker already learnt of it at
-    the same step (a `tfmemsafe.fit` step that agrees before its update),
-    nothing is reported: each stops with the same message by itself.
+    raises the returned error. (`tfmemsafe.fit` and `SplitBatchOnOOM`
+    need none of this: every worker learns of an error in the same step
+    and splits the batch alike.)
 
     Args:
         err: The out-of-memory error: this worker's own, or the one another
             worker reported.
         batch_size: The global batch size that did not fit.
         strategy: The job's strategy. Defaults to the one in scope.
-        resume_batch_size: int or `None`. The smaller batch size stored
-            with the backup, which a restart of the same command resumes
-            at; `None` if none was stored.
 
     Returns:
         A `tfmemsafe.OutOfMemoryError` to raise from `err`, saying which
         worker ran out and how to restart the job.
     """
-    agreed = getattr(err, AGREED_WORKER, None)
     for line in str(err).splitlines():
-        if agreed is None and _STOPPED in line:
+        if _STOPPED in line:
             # Another worker's report: pass its words on.
             reported = line[line.index(_STOPPED) :]
             return OutOfMemoryError(reported, (batch_size,))
     strategy = strategy or tf.distribute.get_strategy()
     workers = _compat.num_workers(strategy)
-    if resume_batch_size is None:
-        restart = (
-            "Restart all workers with a smaller batch size (for example "
-            f"{max(batch_size // 2, workers)}); with "
-            "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
-            "among the callbacks, training resumes after the last completed "
-            "epoch."
-        )
-    else:
-        restart = (
-            "Restart all workers with the same command: tfmemsafe.fit "
-            f"stored global batch size {resume_batch_size} with the backup "
-            "of `MultiWorkerBackupAndRestore`, and resumes after the last "
-            "completed epoch at that size."
-        )
-    if agreed is None:
-        worker = worker_index(strategy)
-        why = (
-            "A multi-worker job cannot halve its batch on one worker while "
-            "the others wait in the same collective"
-        )
-    else:
-        worker = agreed
-        why = (
-            "Every worker learnt of it at the same step, that batch was "
-            "not split further (see the log), and a multi-worker job "
-            "cannot halve its batch while it trains"
-        )
     message = (
-        f"{_STOPPED} {worker} of {workers} at global batch size "
-        f"{batch_size}. {why}, so every worker has been stopped. {restart} "
-        f"{_messages.OOM_ADVICE}"
+        f"{_STOPPED} {worker_index(strategy)} of {workers} at global batch "
+        f"size {batch_size}. A multi-worker job cannot halve its batch on "
+        "one worker while the others wait in the same collective, so every "
+        "worker has been stopped. Restart all workers with a smaller batch "
+        f"size (for example {max(batch_size // 2, workers)}); with "
+        "`tfmemsafe.distribute.MultiWorkerBackupAndRestore(backup_dir)` "
+        "among the callbacks, training resumes after the last completed "
+        f"epoch. {_messages.OOM_ADVICE}"
     )
-    if agreed is not None:
-        # Every worker learnt of it at the same step, and stops by itself.
-        return OutOfMemoryError(message, (batch_size,))
     try:
         _compat.report_error_to_cluster(tf.errors.RESOURCE_EXHAUSTED, message)
     except (tf.errors.OpError, ValueError, RuntimeError) as report_error:
@@ -166,7 +132,3 @@ def stop_all_workers(
 
 
 _STOPPED = "Out of memory on worker"
-# Set on an out-of-memory error that every worker of the job learnt of at
-# the same step (a training step run as `recovery._agreed_step.AgreedStep`
-# runs it): the index of the worker that ran out.
-AGREED_WORKER = "tfmemsafe_worker"

@@ -36,7 +36,6 @@ import threading
 import tensorflow as tf
 
 from tfmemsafe import _agreement
-from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.accumulation import accumulation_steps_of
 from tfmemsafe.accumulation import window_closes_by_size
@@ -192,7 +191,7 @@ def agree(strategy, failure: BaseException | None) -> None:
         If any worker failed otherwise than by running out of memory: this
         worker's own error, or else `RuntimeError`, on every worker (so
         that none goes on to split). Else, if any ran out: this worker's
-        own error, as it is (marked with its worker), or else
+        own error, as it is, or else
         `tf.errors.ResourceExhaustedError` "Worker k of n ran out of
         memory".
     """
@@ -214,8 +213,6 @@ def agree(strategy, failure: BaseException | None) -> None:
             "(its error is in its own log), so every worker stops."
         ) from None  # Not an out-of-memory error: nothing is retried.
     if failure is not None:
-        own = distribute.worker_index(strategy)
-        setattr(failure, distribute.AGREED_WORKER, own)
         raise failure
     worker = int(by_worker[:, 0].nonzero()[0][0])
     error = tf.errors.ResourceExhaustedError(
@@ -224,7 +221,6 @@ def agree(strategy, failure: BaseException | None) -> None:
         f"Worker {worker} of {workers} ran out of memory in this training "
         "step (its error is in its own log)",
     )
-    setattr(error, distribute.AGREED_WORKER, worker)
     raise error
 
 
