@@ -898,20 +898,6 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         ):
             tfmemsafe.fit(_models.dense_model(), (x, y), **kwargs)
 
-    @parameterized.named_parameters(
-        ("string", "big"),
-        ("float", 2.5),
-        ("bool", True),
-    )
-    def test_batch_size_of_no_kind_names_every_kind(self, batch_size):
-        x, y = _models.table(8)
-        with self.assertRaisesRegex(
-            ValueError,
-            r"^`batch_size` must be an integer >= 1, 'auto' or None\. "
-            rf"Received: batch_size={batch_size!r}",
-        ):
-            tfmemsafe.fit(_models.dense_model(), x, y, batch_size=batch_size)
-
     def test_numpy_batch_size_is_taken(self):
         x, y = _models.table(8)
         history = tfmemsafe.fit(

@@ -125,7 +125,7 @@ def training_peak_bytes(
     memory.reset_peak_memory()
     try:
         with without_per_step_variables():
-            model.fit(data(batch_size).take(steps), verbose=0)
+            model.fit(data(batch_size).take(steps), shuffle=False, verbose=0)
     except tf.errors.ResourceExhaustedError:
         return None
     finally:
