@@ -171,8 +171,13 @@ class ExamplesTest(parameterized.TestCase, tf.test.TestCase):
     def test_auto_batch_size_is_searched_and_reported(self):
         model_dir = self._model_dir()
         with tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES):
+            # The whole split is one batch: no `steps_per_epoch` of 3.
             summary = _run(
-                "cnn", dataset="cifar10", batch_size="auto", model_dir=model_dir
+                "cnn",
+                dataset="cifar10",
+                batch_size="auto",
+                steps_per_epoch=None,
+                model_dir=model_dir,
             )
         # Without a memory limit in reach, the search stops at the number
         # of training samples.

@@ -522,7 +522,12 @@ class EveryExampleOnceTest(parameterized.TestCase, tf.test.TestCase):
         model = _counting_model(256, runs_out_above)
         split = tfmemsafe.SplitBatchOnOOM()
         model.fit(
-            data, epochs=epochs, verbose=0, callbacks=[split], **fit_kwargs
+            data,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[split],
+            **fit_kwargs,
         )
         if runs_out_above is not None:
             self.assertNotEmpty(split.oom_events)
@@ -564,6 +569,7 @@ class AccumulationWindowTest(tf.test.TestCase):
             model.fit(
                 data,
                 epochs=2,
+                shuffle=False,
                 verbose=0,
                 callbacks=[tfmemsafe.SplitBatchOnOOM()],
             )
