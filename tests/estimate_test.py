@@ -519,8 +519,9 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.parameters(*_ARCHITECTURES)
     def test_max_batch_size_trains(self, name):
         # Whole, or split by `SplitBatchOnOOM` where it ran out: whether
-        # the whole batch fits moves with the machine (docs/memory-
-        # estimate.md, "Status"); a run at that size must not stop.
+        # the whole batch fits moves from run to run and machine to
+        # machine (docs/memory-estimate.md, "Status"); a run at that size
+        # must not stop.
         result = self._result(name)
         if not result["best_fits"]:
             self.assertEqual(
