@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfmemsafe import AccumulatingModel
 from tfmemsafe import _compat
+from tfmemsafe import testing
 from tfmemsafe import with_gradient_accumulation
 
 
@@ -28,6 +29,24 @@ def _nested():
     )
     inputs = keras.Input((4,))
     return keras.Model(inputs, keras.layers.Dense(2)(inner(inputs)))
+
+
+def _coordination_service():
+    """A worker of `testing.run_workers`: its coordination service's
+    settings once the strategy has started it, and an all-reduce."""
+    from tensorflow.python.eager import context
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    total = strategy.reduce(
+        "SUM", strategy.run(lambda: tf.constant(1.0)), axis=None
+    )
+    config = context.context().coordination_service
+    return {
+        "heartbeat_timeout_in_ms": config.heartbeat_timeout_in_ms,
+        "leader": config.service_leader,
+        "jobs": [(j.name, j.num_tasks) for j in config.coordinated_job_list],
+        "sum": float(total),
+    }
 
 
 @contextlib.contextmanager
@@ -231,6 +250,13 @@ class PrivateNamesTest(tf.test.TestCase):
 
         self.assertTrue(callable(context.context().report_error_to_cluster))
 
+    def test_workers_coordination_service_waits_a_minute(self):
+        for worker in testing.run_workers(_coordination_service, 2):
+            self.assertEqual(worker["heartbeat_timeout_in_ms"], 60_000)
+            self.assertEqual(worker["leader"], "/job:worker/replica:0/task:0")
+            self.assertEqual(worker["jobs"], [["worker", 2]])
+            self.assertEqual(worker["sum"], 2.0)
+
     def test_cross_replica_calls_once_with_the_strategy(self):
         from tensorflow.python.distribute import merge_call_interim
 
@@ -383,6 +409,17 @@ class FallbackTest(tf.test.TestCase):
                 self.assertEqual(_compat.num_workers(strategy), 1)
         finally:
             strategy.extended._num_workers = count
+
+    def test_without_the_service_settings_tensorflows_default_stays(self):
+        with mock.patch(
+            "tensorflow.python.eager.context.context", return_value=object()
+        ):
+            with self.assertWarnsRegex(
+                RuntimeWarning, "configure_coordination_service"
+            ):
+                self.assertFalse(
+                    _compat.configure_coordination_service(None, 60)
+                )
 
     def test_other_strategies_are_one_worker_without_a_warning(self):
         with warnings.catch_warnings():

@@ -399,6 +399,44 @@ def report_error_to_cluster(code, message: str) -> None:
     report(code, message)
 
 
+def configure_coordination_service(
+    cluster_spec, heartbeat_timeout_s: int
+) -> bool:
+    """Configures this process's coordination service as
+    `MultiWorkerMirroredStrategy` does (leader, chief and worker jobs),
+    with a heartbeat timeout of `heartbeat_timeout_s` instead of
+    TensorFlow's default 10 s; the strategy made next keeps it. Only the
+    strategy's own code reaches the service's settings. Checked:
+    `tensorflow.python.eager.context.context().configure_coordination_service`
+    and `.coordination_service`; gone: TensorFlow's default stays. Returns
+    whether the timeout was set."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    configure = getattr(ctx, "configure_coordination_service", None)
+    if configure is None or not hasattr(ctx, "coordination_service"):
+        _moved(
+            "tensorflow.python.eager.context.context()"
+            ".configure_coordination_service",
+            "the coordination service keeps TensorFlow's heartbeat timeout.",
+            library="tensorflow",
+        )
+        return False
+    if ctx.coordination_service is not None:
+        return False
+    jobs = [job for job in ("chief", "worker") if job in cluster_spec.jobs]
+    configure(
+        service_type="standalone",
+        service_leader=f"/job:{jobs[0]}/replica:0/task:0",
+        heartbeat_timeout_in_ms=heartbeat_timeout_s * 1000,
+    )
+    for job in jobs:
+        ctx.coordination_service.coordinated_job_list.add(
+            name=job, num_tasks=cluster_spec.num_tasks(job)
+        )
+    return True
+
+
 def cross_replica(function):
     """`function(strategy)` once for every replica of this worker, in a
     `merge_call`, which TensorFlow orders after the control dependencies

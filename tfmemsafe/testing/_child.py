@@ -33,6 +33,9 @@ try:
     obj = importlib.import_module(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part)
+    if payload["setup"]:
+        setup_module, _, setup_name = payload["setup"].partition(":")
+        getattr(importlib.import_module(setup_module), setup_name)()
     result = {"value": obj(*payload["args"], **payload["kwargs"])}
 except BaseException as err:
     traceback.print_exc()
@@ -73,9 +76,15 @@ class SubprocessError(RuntimeError):
 
 
 class _Child:
-    """One child process running a function or a script."""
+    """One child process running a function or a script.
 
-    def __init__(self, target, args, kwargs, env, capture, directory):
+    A function target's child calls `setup` (`"module:function"`), if
+    given, after importing the target's module and before the target.
+    """
+
+    def __init__(
+        self, target, args, kwargs, env, capture, directory, setup=None
+    ):
         child_env = dict(os.environ)
         child_env["PYTHONPATH"] = os.pathsep.join(
             [p for p in sys.path if p and os.path.isdir(p)]
@@ -97,6 +106,7 @@ class _Child:
                 "args": list(args),
                 "kwargs": dict(kwargs or {}),
                 "result_path": self.result_path,
+                "setup": setup,
             }
             command = [sys.executable, "-c", _BOOTSTRAP, json.dumps(payload)]
         self.capture = capture

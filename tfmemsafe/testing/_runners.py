@@ -18,6 +18,10 @@ from tfmemsafe.testing._child import SubprocessError
 from tfmemsafe.testing._child import _Child
 
 _DEFAULT_TIMEOUT = 600
+# TensorFlow's coordination service stops a cluster whose task sends no
+# heartbeat for 10 s, and a busy machine can hold a worker's process off
+# the CPU that long. Workers started here allow this many seconds.
+_HEARTBEAT_TIMEOUT_S = 60
 
 
 def run_with_memory_cap(
@@ -119,8 +123,10 @@ def run_workers(
     Starts `num_workers` fresh processes on this machine, each with a
     `TF_CONFIG` naming all of them (free loopback ports) and its own task
     index, so that `tf.distribute.MultiWorkerMirroredStrategy()` in the
-    function forms one cluster. All are killed, with their children, if
-    any is still running after `timeout` seconds.
+    function forms one cluster. Its coordination service waits 60 s for a
+    worker's missing heartbeat (TensorFlow's default: 10 s), so that a
+    busy machine does not stop the cluster. All are killed, with their
+    children, if any is still running after `timeout` seconds.
 
     Args:
         target: A module-level function (or `"module:function"`), run by
@@ -178,7 +184,15 @@ def run_workers(
                 directory = os.path.join(tmp, str(index))
                 os.mkdir(directory)
                 children.append(
-                    _Child(target, args, kwargs, child_env, True, directory)
+                    _Child(
+                        target,
+                        args,
+                        kwargs,
+                        child_env,
+                        True,
+                        directory,
+                        setup=f"{__name__}:_patient_coordination",
+                    )
                 )
             for child in children:
                 child.wait(max(deadline - time.monotonic(), 0.1))
@@ -194,6 +208,20 @@ def run_workers(
                     raise
                 results.append(err)
     return results
+
+
+def _patient_coordination() -> None:
+    """In a worker, before its target: the coordination service that
+    `MultiWorkerMirroredStrategy` starts waits `_HEARTBEAT_TIMEOUT_S` for
+    a missing heartbeat."""
+    import tensorflow as tf
+
+    from tfmemsafe import _compat
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    _compat.configure_coordination_service(
+        resolver.cluster_spec(), _HEARTBEAT_TIMEOUT_S
+    )
 
 
 def _free_ports(count: int) -> list[int]:
