@@ -23,6 +23,7 @@ from absl.testing import parameterized  # noqa: E402
 import tfmemsafe  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
 from tfmemsafe.planning import Candidate  # noqa: E402
+from tfmemsafe.planning import _measure  # noqa: E402
 from tfmemsafe.planning import _plan  # noqa: E402
 from tfmemsafe.planning import _workers  # noqa: E402
 
@@ -203,8 +204,11 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(
             {c.checkpointing for c in plan.candidates}, {False, True}
         )
-        self.assertTrue(
-            all(c.step_seconds for c in plan.candidates if c.fits),
+        # The whole batch of each model trained; more micro-batches were
+        # not measured.
+        self.assertEqual(
+            [c.step_seconds is not None for c in plan.candidates],
+            [True, False, True, False],
             msg=str(plan),
         )
 
@@ -376,7 +380,10 @@ class MirroredStrategyTest(tf.test.TestCase):
     def test_the_checkpointed_model_trains_under_the_models_strategy(self):
         result = testing.run_in_subprocess(planned_under_mirrored_strategy)
         self.assertEqual(result["strategy"], "MirroredStrategy")
-        self.assertTrue(all(result["measured"]), msg=result)
+        # Each model's whole batch; more micro-batches not measured.
+        self.assertEqual(
+            result["measured"], [True, False, True, False], msg=result
+        )
         self.assertEqual(result["epochs"], 1)
         self.assertEqual(result["iterations"], _ROWS // _BATCH)
 
@@ -520,10 +527,11 @@ class AgreementTest(tf.test.TestCase):
                 candidates[2], step_seconds=0.6, measured_peak_bytes=35
             ),
         }
-        # The other worker: 2 x 128 ran out; 4 x 64 slower there.
-        other = [np.nan, np.nan, np.nan, np.nan, 0.7, 38]
+        # The other worker, one exchange per candidate measured: 2 x 128
+        # ran out; 4 x 64 slower there.
+        other = [[np.nan, np.nan], [0.7, 38]]
         with mock.patch.object(
-            tfmemsafe._agreement, "exchanged", _exchanging_with([other])
+            tfmemsafe._agreement, "exchanged", _exchanging_with(other)
         ):
             agreed = _workers.agreed_measurements(
                 None,
@@ -545,6 +553,68 @@ class AgreementTest(tf.test.TestCase):
             (agreed[2].step_seconds, agreed[2].measured_peak_bytes), (0.7, 38)
         )
         self.assertEqual(_plan._chosen(agreed), agreed[2])
+
+    def test_more_micro_batches_are_measured_only_where_fewer_did_not(self):
+        candidates = [
+            Candidate(1, 256, False, 100, "estimate", False),
+            Candidate(2, 128, False, 60, "estimate", True),
+            Candidate(4, 64, False, 40, "estimate", True),
+        ]
+        # One exchange only (a second would find no row): 2 x 128 trained
+        # on both workers.
+        with mock.patch.object(
+            tfmemsafe._agreement,
+            "exchanged",
+            _exchanging_with([[0.5, 50]]),
+        ):
+            agreed = _workers.agreed_measurements(
+                None,
+                lambda these: [
+                    dataclasses.replace(
+                        c, step_seconds=0.4, measured_peak_bytes=45
+                    )
+                    if c.fits
+                    else dataclasses.replace(c, note="predicted not to fit")
+                    for c in these
+                ],
+                candidates,
+            )
+        self.assertEqual(agreed[1].step_seconds, 0.5)
+        self.assertIsNone(agreed[2].step_seconds)
+        self.assertEqual(agreed[2].note, _measure.NOT_MEASURED)
+
+
+class MeasuredTest(tf.test.TestCase):
+    def test_candidates_are_measured_in_order_until_one_trains(self):
+        candidates = [
+            Candidate(1, 512, False, 100, "estimate", False),
+            Candidate(2, 256, False, 60, "estimate", True),
+            Candidate(4, 128, False, 40, "estimate", True),
+            Candidate(8, 64, False, 30, "estimate", True),
+        ]
+        results = {
+            2: dataclasses.replace(candidates[1], note="ran out of memory"),
+            4: dataclasses.replace(candidates[2], step_seconds=0.3),
+        }
+        with mock.patch.object(
+            _measure,
+            "measure",
+            side_effect=lambda planned, c, *rest: results[c.micro_batches],
+        ) as measure:
+            done = _measure.measured(None, candidates, *[None] * 6)
+        self.assertEqual(
+            [call.args[1].micro_batches for call in measure.call_args_list],
+            [2, 4],
+        )
+        self.assertEqual(
+            [c.note for c in done],
+            [
+                "predicted not to fit",
+                "ran out of memory",
+                "",
+                _measure.NOT_MEASURED,
+            ],
+        )
 
 
 # Under this cap the residual net's batch of 4096 runs out whole.

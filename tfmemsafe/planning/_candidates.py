@@ -13,8 +13,8 @@ from tfmemsafe import memory
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._size_planner import SizePlanner
 
-# Candidates measured per model: the fewest micro-batches predicted to
-# fit, and twice as many (smaller micro-batches are at times faster).
+# Candidates predicted to fit, per model: the fewest micro-batches, and
+# twice as many, measured where the first does not train within the limit.
 MEASURED_PER_MODEL = 2
 
 

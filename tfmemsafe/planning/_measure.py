@@ -20,6 +20,9 @@ from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.recovery import SplitBatchOnOOM
 
+# What a candidate says when fewer micro-batches of its model trained.
+NOT_MEASURED = "not measured: fewer micro-batches trained"
+
 
 def measure(
     planned, candidate, source, rows, steps, devices, limit, split_batch_norm
@@ -74,16 +77,32 @@ def measure(
 def measured(
     planned, candidates, source, rows, steps, devices, limit, split_batch_norm
 ):
-    """`candidates`, each trained and measured (`measure`) but those
-    predicted not to fit."""
-    return [
-        dataclasses.replace(c, note="predicted not to fit")
-        if c.fits is False
-        else measure(
-            planned, c, source, rows, steps, devices, limit, split_batch_norm
-        )
-        for c in candidates
-    ]
+    """`candidates`, those predicted to fit trained and measured
+    (`measure`) in order until one trains within the limit: more
+    micro-batches than that one are slower by their steps' fixed costs
+    and are not measured."""
+    done = []
+    for candidate in candidates:
+        if candidate.fits is False:
+            done.append(
+                dataclasses.replace(candidate, note="predicted not to fit")
+            )
+        elif any(c.step_seconds is not None for c in done):
+            done.append(dataclasses.replace(candidate, note=NOT_MEASURED))
+        else:
+            done.append(
+                measure(
+                    planned,
+                    candidate,
+                    source,
+                    rows,
+                    steps,
+                    devices,
+                    limit,
+                    split_batch_norm,
+                )
+            )
+    return done
 
 
 def _trained(planned, candidate, source, rows, steps, times, split) -> str:

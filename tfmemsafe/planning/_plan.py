@@ -69,14 +69,15 @@ def plan(
     of your own class; a model of another class is not rebuilt).
     For each it predicts the step's peak (`tfmemsafe.estimate_memory`,
     or the traced step's upper bound where that fits already). The
-    fewest micro-batches predicted to fit, and twice as many, are trained
-    for `steps` steps (after one that traces), with their median step
-    time and peak measured. Of those that trained without running out
-    of memory, the simplest (the model as it is before the checkpointed
-    one, then the fewest micro-batches) within 5% of the fastest is
-    chosen: closer times are one speed on a machine whose load moves
-    them. More micro-batches than that are not tried: they need less
-    memory still, and every micro-batch adds a step's fixed cost.
+    fewest micro-batches predicted to fit are trained for `steps` steps
+    (after one that traces), with their median step time and peak
+    measured; twice as many only where those ran out of memory or took
+    more than 90% of the limit. More micro-batches are not tried: they
+    need less memory still, and every micro-batch adds a step's fixed
+    cost. Of those that trained, the simplest (the model as it is before
+    the checkpointed one, then the fewest micro-batches) within 5% of the
+    fastest is chosen: closer times are one speed on a machine whose load
+    moves them.
 
     The model is left exactly as it was found: its weights, optimizer
     state, metrics and random-seed state are put back after each

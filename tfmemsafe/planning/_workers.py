@@ -11,9 +11,10 @@ figures they all hold, exchanged with the strategy's own all-reduce
 - every split of the share, from the whole share to micro-batches of one
   row, is predicted on every worker; the job's prediction is the highest,
   and a split fits the job where it fits every worker;
-- the fewest micro-batches that fit the job, and twice as many, are
-  trained on every worker; one trained where it trained on every worker,
-  its step time the slowest worker's and its peak the highest;
+- the fewest micro-batches that fit the job are trained on every worker,
+  and twice as many where that did not train on every worker; one
+  trained where it trained on every worker, its step time the slowest
+  worker's and its peak the highest;
 - the same rule then chooses from the same figures on every worker.
 
 A worker whose planning raises says so in the next exchange, and every
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 
 import numpy as np
@@ -34,6 +36,7 @@ from tfmemsafe._sources import source_for
 from tfmemsafe.planning._candidates import MEASURED_PER_MODEL
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
+from tfmemsafe.planning._measure import NOT_MEASURED
 from tfmemsafe.planning._measure import measured
 from tfmemsafe.planning._memory_plan import STATIC_BOUND
 from tfmemsafe.planning._memory_plan import Candidate
@@ -186,29 +189,26 @@ def agreed_predictions(strategy, predict, splits: int) -> list[Candidate]:
 
 def agreed_measurements(strategy, trained, candidates) -> list[Candidate]:
     """`trained(candidates)`, this worker's measurements of them, the same
-    on every worker: the slowest worker's step time and the highest peak,
-    and a candidate that did not train (or went over the limit) on any
-    worker not trained."""
-    mine = {}
-
-    def figures():
-        mine["candidates"] = trained(candidates)
-        return [
-            np.nan if value is None else value
-            for c in mine["candidates"]
-            for value in (c.step_seconds, c.measured_peak_bytes)
-        ]
-
-    table = _agreement.exchanged(
-        strategy, figures, 2 * len(candidates), _CALLER
-    )
+    on every worker: one exchange per candidate predicted to fit, until
+    one trained on every worker; the slowest worker's step time and the
+    highest peak, and a candidate that did not train (or went over the
+    limit) on any worker not trained."""
     agreed = []
-    for index, candidate in enumerate(candidates):
-        seconds, peaks = table[:, 2 * index], table[:, 2 * index + 1]
-        peak = None if np.isnan(peaks).any() else int(peaks.max())
+    for candidate in candidates:
         if candidate.fits is False:
-            agreed.append(mine["candidates"][index])
-        elif np.isnan(seconds).any():
+            agreed += trained([candidate])  # Noted, not trained.
+            continue
+        if any(c.step_seconds is not None for c in agreed):
+            agreed.append(dataclasses.replace(candidate, note=NOT_MEASURED))
+            continue
+        seconds, peaks = _agreement.exchanged(
+            strategy,
+            functools.partial(_figures, trained, candidate),
+            2,
+            _CALLER,
+        ).T
+        peak = None if np.isnan(peaks).any() else int(peaks.max())
+        if np.isnan(seconds).any():
             agreed.append(
                 dataclasses.replace(
                     candidate,
@@ -225,3 +225,12 @@ def agreed_measurements(strategy, trained, candidates) -> list[Candidate]:
                 )
             )
     return agreed
+
+
+def _figures(trained, candidate) -> list:
+    """This worker's step time and peak of `candidate`, NaN where none."""
+    (done,) = trained([candidate])
+    return [
+        np.nan if value is None else value
+        for value in (done.step_seconds, done.measured_peak_bytes)
+    ]
