@@ -1137,6 +1137,23 @@ class MicroBatchSizeTest(tf.test.TestCase):
         self.assertLess(size.rows, rows)
         self.assertEqual(size.rows, 560)
 
+    def test_a_probe_that_ran_out_is_not_tried_again(self):
+        def above(rows):
+            return (60 + rows / 4) * _MIB
+
+        size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
+        size.measured(256, 100 * _MIB + above(256), 100 * _MIB)
+        in_use = 850 * _MIB  # 50 of the 900 usable are free.
+        size.ran_out(256, in_use)
+        self.assertEqual(size.probe_rows(), 16)
+        # The probe runs out too: every later attempt starts smaller.
+        for failed in (16, 8, 4, 2):
+            next_rows = size.ran_out(failed, in_use)
+            first = size.probe_rows() or size.rows_for(256)
+            self.assertLess(first, failed)
+            self.assertLess(next_rows, failed)
+        self.assertIsNone(size.ran_out(1, in_use))
+
     def test_memory_held_past_the_headroom_leaves_what_is_free(self):
         size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
         size.measured(100, 300 * _MIB, 200 * _MIB)  # 1 MiB a row.

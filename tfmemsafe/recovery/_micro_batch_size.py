@@ -105,6 +105,9 @@ class MicroBatchSize:
         out with `in_use_bytes` in use; `None` when `rows` was the
         floor."""
         self.clean_steps = 0
+        # A probe is one attempt's first micro-batch: where it (or the
+        # attempt) ran out, the next is decided anew, never that probe.
+        self._probe = None
         if rows <= self.floor:
             return None
         held = self._ran_out.get(rows)
