@@ -566,17 +566,18 @@ def mirrored_strategy_with_memory_held_under_cap():
     with strategy.scope():
         model = _conv_net()
     # Two replicas share one allocator. A global batch of 512 can fit in
-    # 120 MB where the scheduler runs them one after the other, as on a
-    # loaded machine; its step needs more than 50 MiB either way (a
-    # quarter of it does, alone), and micro-batches of 32 rows fit in 50
-    # MB side by side. Whole batches from the start: the pre-flight
-    # check's micro-batches can fit beside the held memory, and the hold
-    # must make a batch run out.
+    # 100 MB where the scheduler runs them one after the other, as on a
+    # loaded machine, and its step takes about 200 MiB side by side;
+    # small micro-batches side by side need a little over 54 MiB (each
+    # replica's convolution gradient takes 27 MiB whatever the rows).
+    # 75 MB left runs out at 512 and fits small micro-batches. Whole
+    # batches from the start: the pre-flight check's micro-batches can
+    # fit beside the held memory, and the hold must make a batch run out.
     result = _fit_with_memory_held(
         model,
         _aligned_rows(x, y),
         [model.optimizer],
-        leave_mb=50,
+        leave_mb=75,
         batch_size=_HELD_BATCH,
         preflight=False,
     )
