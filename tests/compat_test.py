@@ -257,6 +257,13 @@ class PrivateNamesTest(tf.test.TestCase):
             self.assertEqual(worker["jobs"], [["worker", 2]])
             self.assertEqual(worker["sum"], 2.0)
 
+    def test_a_cluster_without_chief_or_worker_is_not_coordinated(self):
+        from tensorflow.python.eager import context
+
+        evaluators = tf.train.ClusterSpec({"evaluator": ["localhost:1"]})
+        self.assertFalse(_compat.configure_coordination_service(evaluators, 60))
+        self.assertIsNone(context.context().coordination_service)
+
     def test_cross_replica_calls_once_with_the_strategy(self):
         from tensorflow.python.distribute import merge_call_interim
 

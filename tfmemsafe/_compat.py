@@ -409,7 +409,8 @@ def configure_coordination_service(
     strategy's own code reaches the service's settings. Checked:
     `tensorflow.python.eager.context.context().configure_coordination_service`
     and `.coordination_service`; gone: TensorFlow's default stays. Returns
-    whether the timeout was set."""
+    whether the timeout was set: not where the service is configured
+    already or `cluster_spec` has neither a chief nor a worker job."""
     from tensorflow.python.eager import context
 
     ctx = context.context()
@@ -422,9 +423,10 @@ def configure_coordination_service(
             library="tensorflow",
         )
         return False
-    if ctx.coordination_service is not None:
-        return False
     jobs = [job for job in ("chief", "worker") if job in cluster_spec.jobs]
+    if ctx.coordination_service is not None or not jobs:
+        # Configured already, or no job the strategy would coordinate.
+        return False
     configure(
         service_type="standalone",
         service_leader=f"/job:{jobs[0]}/replica:0/task:0",
