@@ -1091,6 +1091,12 @@ def _mirrored_split():
     }
 
 
+def _above(rows):
+    """A step's bytes over what was in use: 60 MiB whatever the rows (a
+    convolution's workspace) and 0.25 MiB a row."""
+    return (60 + rows / 4) * _MIB
+
+
 class MicroBatchSizeTest(tf.test.TestCase):
     """The counter's decisions, from measurements given to it."""
 
@@ -1120,29 +1126,22 @@ class MicroBatchSizeTest(tf.test.TestCase):
         self.assertEqual(size.ran_out(1024, 100 * _MIB), 750)
 
     def test_one_size_measured_is_probed_before_smaller_ones(self):
-        # 60 MiB whatever the rows (a convolution's workspace), and
-        # 0.25 MiB a row: one size alone cannot tell them apart.
-        def above(rows):
-            return (60 + rows / 4) * _MIB
-
+        # One size alone cannot tell `_above`'s two parts apart.
         size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
-        size.measured(1024, 100 * _MIB + above(1024), 100 * _MIB)
+        size.measured(1024, 100 * _MIB + _above(1024), 100 * _MIB)
         in_use = 700 * _MIB  # 200 of the 900 usable are free.
         # Through the origin, 200 MiB would take 640 rows (260 MiB).
         rows = size.ran_out(1024, in_use)
         self.assertEqual(size.probe_rows(), 64)
-        size.measured(64, in_use + above(64), in_use)
+        size.measured(64, in_use + _above(64), in_use)
         self.assertIsNone(size.probe_rows())
         # By the line through both: (200 - 60) MiB at 0.25 MiB a row.
         self.assertLess(size.rows, rows)
         self.assertEqual(size.rows, 560)
 
     def test_a_probe_that_ran_out_is_not_tried_again(self):
-        def above(rows):
-            return (60 + rows / 4) * _MIB
-
         size = MicroBatchSize(100, limit_bytes=1000 * _MIB)
-        size.measured(256, 100 * _MIB + above(256), 100 * _MIB)
+        size.measured(256, 100 * _MIB + _above(256), 100 * _MIB)
         in_use = 850 * _MIB  # 50 of the 900 usable are free.
         size.ran_out(256, in_use)
         self.assertEqual(size.probe_rows(), 16)
