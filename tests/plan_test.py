@@ -535,13 +535,7 @@ class AgreementTest(tf.test.TestCase):
         ):
             agreed = _workers.agreed_measurements(
                 None,
-                lambda these: [
-                    measured.get(
-                        c.micro_batches,
-                        dataclasses.replace(c, note="predicted not to fit"),
-                    )
-                    for c in these
-                ],
+                lambda c: measured[c.micro_batches],
                 candidates,
             )
         self.assertEqual(agreed[0].note, "predicted not to fit")
@@ -569,14 +563,9 @@ class AgreementTest(tf.test.TestCase):
         ):
             agreed = _workers.agreed_measurements(
                 None,
-                lambda these: [
-                    dataclasses.replace(
-                        c, step_seconds=0.4, measured_peak_bytes=45
-                    )
-                    if c.fits
-                    else dataclasses.replace(c, note="predicted not to fit")
-                    for c in these
-                ],
+                lambda c: dataclasses.replace(
+                    c, step_seconds=0.4, measured_peak_bytes=45
+                ),
                 candidates,
             )
         self.assertEqual(agreed[1].step_seconds, 0.5)
@@ -596,16 +585,14 @@ class MeasuredTest(tf.test.TestCase):
             2: dataclasses.replace(candidates[1], note="ran out of memory"),
             4: dataclasses.replace(candidates[2], step_seconds=0.3),
         }
-        with mock.patch.object(
-            _measure,
-            "measure",
-            side_effect=lambda planned, c, *rest: results[c.micro_batches],
-        ) as measure:
-            done = _measure.measured(None, candidates, *[None] * 6)
-        self.assertEqual(
-            [call.args[1].micro_batches for call in measure.call_args_list],
-            [2, 4],
-        )
+        tried = []
+
+        def measure_one(candidate):
+            tried.append(candidate.micro_batches)
+            return results[candidate.micro_batches]
+
+        done = _measure.measured(candidates, measure_one)
+        self.assertEqual(tried, [2, 4])
         self.assertEqual(
             [c.note for c in done],
             [

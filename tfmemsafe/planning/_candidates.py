@@ -14,8 +14,8 @@ from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._size_planner import SizePlanner
 
 # Candidates predicted to fit, per model: the fewest micro-batches, and
-# twice as many, measured where the first does not train within the limit.
-MEASURED_PER_MODEL = 2
+# twice as many, for where the first does not train within the limit.
+FITTING_PER_MODEL = 2
 
 
 def limit_of(memory_limit, devices) -> int | None:
@@ -49,7 +49,7 @@ def predicted(
     sums = estimate_lib.gradient_bytes(planned)
     candidates, fitting = [], 0
     micro = rows
-    while micro >= 1 and (every or fitting < MEASURED_PER_MODEL):
+    while micro >= 1 and (every or fitting < FITTING_PER_MODEL):
         pieces = -(-rows // micro)
         peak, by = planner.peak_bytes(
             "training",

@@ -1,4 +1,5 @@
-"""Training the candidates of a plan for a few steps: `measured`.
+"""Training the candidates of a plan for a few steps: `measure` one,
+`measured` in order until one trains.
 
 The steps train the model's own variables, which are put back exactly
 afterwards; the candidate comes back with its median step time and peak,
@@ -74,13 +75,10 @@ def measure(
     )
 
 
-def measured(
-    planned, candidates, source, rows, steps, devices, limit, split_batch_norm
-):
-    """`candidates`, those predicted to fit trained and measured
-    (`measure`) in order until one trains within the limit: more
-    micro-batches than that one are slower by their steps' fixed costs
-    and are not measured."""
+def measured(candidates, measure_one) -> list[Candidate]:
+    """`candidates`, those predicted to fit measured by `measure_one` in
+    order until one trains within the limit: more micro-batches than that
+    one are slower by their steps' fixed costs and are not measured."""
     done = []
     for candidate in candidates:
         if candidate.fits is False:
@@ -90,18 +88,7 @@ def measured(
         elif any(c.step_seconds is not None for c in done):
             done.append(dataclasses.replace(candidate, note=NOT_MEASURED))
         else:
-            done.append(
-                measure(
-                    planned,
-                    candidate,
-                    source,
-                    rows,
-                    steps,
-                    devices,
-                    limit,
-                    split_batch_norm,
-                )
-            )
+            done.append(measure_one(candidate))
     return done
 
 

@@ -15,6 +15,7 @@ job every worker plans its share of the batch and they agree on one plan
 
 from __future__ import annotations
 
+import functools
 import time
 
 import keras
@@ -31,6 +32,7 @@ from tfmemsafe._sources import source_for
 from tfmemsafe.planning import _workers
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
+from tfmemsafe.planning._measure import measure
 from tfmemsafe.planning._measure import measured
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._memory_plan import MemoryPlan
@@ -267,14 +269,17 @@ def _planned_here(
         these = predicted(planned, model, source, rows, limit, split=split)
         progress.update(2 * stage + 1)
         candidates += measured(
-            planned,
             these,
-            source,
-            rows,
-            steps,
-            devices,
-            limit,
-            split_batch_norm,
+            functools.partial(
+                measure,
+                planned,
+                source=source,
+                rows=rows,
+                steps=steps,
+                devices=devices,
+                limit=limit,
+                split_batch_norm=split_batch_norm,
+            ),
         )
         progress.update(2 * stage + 2)
     checkpointed_model = models[1] if len(models) > 1 else None

@@ -33,10 +33,10 @@ import numpy as np
 from tfmemsafe import _agreement
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe._sources import source_for
-from tfmemsafe.planning._candidates import MEASURED_PER_MODEL
+from tfmemsafe.planning._candidates import FITTING_PER_MODEL
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
-from tfmemsafe.planning._measure import NOT_MEASURED
+from tfmemsafe.planning._measure import measure
 from tfmemsafe.planning._measure import measured
 from tfmemsafe.planning._memory_plan import STATIC_BOUND
 from tfmemsafe.planning._memory_plan import Candidate
@@ -110,15 +110,15 @@ def _planned_on_a_copy(
         progress.update(1)
         candidates = agreed_measurements(
             strategy,
-            lambda these: measured(
+            functools.partial(
+                measure,
                 copy,
-                these,
-                source,
-                share,
-                steps,
-                devices,
-                limit,
-                split_batch_norm,
+                source=source,
+                rows=share,
+                steps=steps,
+                devices=devices,
+                limit=limit,
+                split_batch_norm=split_batch_norm,
             ),
             candidates,
         )
@@ -182,54 +182,47 @@ def agreed_predictions(strategy, predict, splits: int) -> list[Candidate]:
             )
         )
         fitting += fits
-        if fitting == MEASURED_PER_MODEL:
+        if fitting == FITTING_PER_MODEL:
             break
     return agreed
 
 
-def agreed_measurements(strategy, trained, candidates) -> list[Candidate]:
-    """`trained(candidates)`, this worker's measurements of them, the same
-    on every worker: one exchange per candidate predicted to fit, until
-    one trained on every worker; the slowest worker's step time and the
-    highest peak, and a candidate that did not train (or went over the
-    limit) on any worker not trained."""
-    agreed = []
-    for candidate in candidates:
-        if candidate.fits is False:
-            agreed += trained([candidate])  # Noted, not trained.
-            continue
-        if any(c.step_seconds is not None for c in agreed):
-            agreed.append(dataclasses.replace(candidate, note=NOT_MEASURED))
-            continue
-        seconds, peaks = _agreement.exchanged(
-            strategy,
-            functools.partial(_figures, trained, candidate),
-            2,
-            _CALLER,
-        ).T
-        peak = None if np.isnan(peaks).any() else int(peaks.max())
-        if np.isnan(seconds).any():
-            agreed.append(
-                dataclasses.replace(
-                    candidate,
-                    measured_peak_bytes=peak,
-                    note="did not train within the limit on every worker",
-                )
-            )
-        else:
-            agreed.append(
-                dataclasses.replace(
-                    candidate,
-                    measured_peak_bytes=peak,
-                    step_seconds=float(seconds.max()),
-                )
-            )
-    return agreed
+def agreed_measurements(strategy, measure_one, candidates) -> list[Candidate]:
+    """`candidates` measured as `measured` does, the same on every worker:
+    one exchange per candidate measured, of this worker's `measure_one`;
+    the slowest worker's step time and the highest peak, and a candidate
+    that did not train (or went over the limit) on any worker not
+    trained."""
+    return measured(
+        candidates, functools.partial(_agreed, strategy, measure_one)
+    )
 
 
-def _figures(trained, candidate) -> list:
+def _agreed(strategy, measure_one, candidate) -> Candidate:
+    """`measure_one(candidate)` on every worker, as one candidate."""
+    seconds, peaks = _agreement.exchanged(
+        strategy,
+        functools.partial(_figures, measure_one, candidate),
+        2,
+        _CALLER,
+    ).T
+    peak = None if np.isnan(peaks).any() else int(peaks.max())
+    if np.isnan(seconds).any():
+        return dataclasses.replace(
+            candidate,
+            measured_peak_bytes=peak,
+            note="did not train within the limit on every worker",
+        )
+    return dataclasses.replace(
+        candidate,
+        measured_peak_bytes=peak,
+        step_seconds=float(seconds.max()),
+    )
+
+
+def _figures(measure_one, candidate) -> list:
     """This worker's step time and peak of `candidate`, NaN where none."""
-    (done,) = trained([candidate])
+    done = measure_one(candidate)
     return [
         np.nan if value is None else value
         for value in (done.step_seconds, done.measured_peak_bytes)
