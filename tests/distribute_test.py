@@ -60,19 +60,31 @@ def _report(model, history):
     }
 
 
-def _train_both_ways(multi_worker, epochs=2, runs_out_above=None):
-    """Trains with model.fit and with tfmemsafe.fit; reports both. With
-    `runs_out_above`, worker 1's replica of the model `tfmemsafe.fit`
-    trains runs out of memory on more rows than that."""
+def _train_every_way(multi_worker, epochs=2):
+    """Trains with model.fit and with tfmemsafe.fit; on several workers
+    also with tfmemsafe.fit where worker 1's replica runs out of memory on
+    more than 2 rows (its 4 of each batch of 8), and Keras' own model.fit
+    of a plain keras.Model. Reports each."""
     strategy = _strategy(multi_worker)
-    x, y = _data()
     worker = distribute.worker_index(strategy)
-    with strategy.scope():
-        keras_model = _model(accumulation_steps=2)
-        ours = _model(
-            accumulation_steps=2,
-            runs_out_above=runs_out_above if worker == 1 else None,
+    report = {
+        "model.fit": _keras_fit(strategy, epochs),
+        "tfmemsafe.fit": _tfmemsafe_fit(strategy, epochs),
+        "worker": worker,
+        "multi_worker": distribute.is_multi_worker(strategy),
+    }
+    if multi_worker:
+        report["split"] = _tfmemsafe_fit(
+            strategy, epochs, runs_out_above=2 if worker == 1 else None
         )
+        report["plain keras"] = _plain_keras_model_fit(strategy)
+    return report
+
+
+def _keras_fit(strategy, epochs):
+    x, y = _data()
+    with strategy.scope():
+        model = _model(accumulation_steps=2)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA
@@ -82,28 +94,29 @@ def _train_both_ways(multi_worker, epochs=2, runs_out_above=None):
         .batch(_GLOBAL_BATCH)
         .with_options(options)
     )
-    keras_history = keras_model.fit(dataset, epochs=epochs, verbose=0)
-    our_history = tfmemsafe.fit(
-        ours,
+    return _report(model, model.fit(dataset, epochs=epochs, verbose=0))
+
+
+def _tfmemsafe_fit(strategy, epochs, runs_out_above=None):
+    x, y = _data()
+    with strategy.scope():
+        model = _model(accumulation_steps=2, runs_out_above=runs_out_above)
+    history = tfmemsafe.fit(
+        model,
         (x, y),
         batch_size=_GLOBAL_BATCH,
         epochs=epochs,
         shuffle=False,
         verbose=0,
     )
-    return {
-        "model.fit": _report(keras_model, keras_history),
-        "tfmemsafe.fit": _report(ours, our_history),
-        "worker": distribute.worker_index(strategy),
-        "multi_worker": distribute.is_multi_worker(strategy),
-    }
+    return _report(model, history)
 
 
-def _plain_keras_model_fit():
-    """What Keras 3 does with a plain keras.Model under the strategy."""
+def _plain_keras_model_fit(strategy):
+    """The first line of the error Keras 3 gives a plain keras.Model under
+    the strategy, or `None`."""
     import keras
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = _data()
     with strategy.scope():
         inputs = keras.Input((4,))
@@ -121,19 +134,10 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         cls.reference = testing.run_in_subprocess(
-            _train_both_ways, args=[False], env=_CPU_ONLY, timeout=_TIMEOUT
+            _train_every_way, args=[False], env=_CPU_ONLY, timeout=_TIMEOUT
         )
         cls.workers = testing.run_workers(
-            _train_both_ways, 2, args=[True], env=_CPU_ONLY, timeout=_TIMEOUT
-        )
-        # Worker 1 runs out on its 4 rows of each batch of 8, worker 0 not.
-        cls.split = testing.run_workers(
-            _train_both_ways,
-            2,
-            args=[True],
-            kwargs={"runs_out_above": 2},
-            env=_CPU_ONLY,
-            timeout=_TIMEOUT,
+            _train_every_way, 2, args=[True], env=_CPU_ONLY, timeout=_TIMEOUT
         )
 
     def test_workers_know_their_place(self):
@@ -167,8 +171,8 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
 
     def test_one_workers_oom_splits_the_batch_alike_on_every_worker(self):
         expected = self.reference["model.fit"]
-        for worker in self.split:
-            result = worker["tfmemsafe.fit"]
+        for worker in self.workers:
+            result = worker["split"]
             for got, want in zip(
                 result["weights"], expected["weights"], strict=True
             ):
@@ -177,19 +181,16 @@ class MultiWorkerTrainingTest(parameterized.TestCase, tf.test.TestCase):
             self.assertEqual(result["iterations"], 10)
             self.assertNotEmpty(result["split_into"])
         self.assertEqual(
-            self.split[0]["tfmemsafe.fit"]["split_into"],
-            self.split[1]["tfmemsafe.fit"]["split_into"],
+            self.workers[0]["split"]["split_into"],
+            self.workers[1]["split"]["split_into"],
         )
 
     def test_keras_alone_still_fails_here(self):
         # When this fails, Keras has fixed the upstream bug and the
         # workaround in tfmemsafe.distribute can go.
-        errors = testing.run_workers(
-            _plain_keras_model_fit, 2, env=_CPU_ONLY, timeout=_TIMEOUT
-        )
-        for error in errors:
-            self.assertIsNotNone(error)
-            self.assertIn("PerReplica", error)
+        for worker in self.workers:
+            self.assertIsNotNone(worker["plain keras"])
+            self.assertIn("PerReplica", worker["plain keras"])
 
 
 def _one_worker_stops_the_job():
