@@ -692,6 +692,21 @@ class MemoryBucketsTest(tf.test.TestCase):
             ),
         )
 
+    def test_no_probe_is_larger_than_the_most_examples_a_bucket_holds(self):
+        from tfmemsafe.data import _plan
+
+        class Stop(Exception):
+            pass
+
+        with mock.patch.object(
+            _plan.estimate_lib, "estimate_source", side_effect=Stop
+        ) as estimate_source:
+            with self.assertRaises(Stop):
+                tfmemsafe.data.memory_buckets(self.train, self.model)
+            most = max(self._buckets().counts)
+        self.assertLess(most, 300)
+        self.assertEqual(estimate_source.call_args.kwargs["largest"], most)
+
     def test_sizes_stop_at_max_batch_size(self):
         buckets = self._buckets(max_batch_size=100)
         self.assertLessEqual(max(buckets.bucket_batch_sizes), 100)

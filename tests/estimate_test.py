@@ -1188,6 +1188,29 @@ class LengthProbesTest(tf.test.TestCase):
             rtol=1e-6,
         )
 
+    def test_no_length_probe_is_larger_than_the_largest_batch(self):
+        from tfmemsafe._sources import source_for
+        from tfmemsafe.estimate import _lengths
+
+        model, data = _reference("transformer")
+        source = source_for(
+            data, "data", labelled=True, strategy=model.distribute_strategy
+        )
+        probe = _LengthProbe(lambda n: 4000.0 * n)
+        measurements = [probe.run(size) for size in (8, 32, 128, 256)]
+        line = (5 * _MB, probe.per_sample(64))
+        _lengths.measure_lengths(
+            probe, model, source, _LENGTHS, measurements, line, 600 * _MB, 100
+        )
+        at_lengths = [(b, n) for b, n in probe.runs[4:]]
+        # Without `largest`: 64 and 256 at 128 tokens, 32 and 128 at 256.
+        self.assertLen({n for _, n in at_lengths}, len(_LENGTHS))
+        self.assertLessEqual(max(b for b, _ in at_lengths), 100)
+        for length in _LENGTHS:
+            sizes = sorted(b for b, n in at_lengths if n == length)
+            self.assertLessEqual(sizes[0], 50)
+            self.assertGreaterEqual(sizes[-1], 2 * sizes[0])
+
     def test_what_both_readings_show_is_kept(self):
         from tfmemsafe.estimate._lengths import polynomial
 
@@ -1247,6 +1270,19 @@ class ProbeSizesTest(tf.test.TestCase):
         # A budget that 128 nearly fills (64 of 72 MiB): nothing more.
         sizes = self._sizes(_CurveProbe(50 * _MB, 0.5 * _MB, 0), 360 * _MB)
         self.assertEqual(sizes, [8, 32, 128])
+
+    def test_the_last_probe_is_cut_to_the_largest_batch_trained(self):
+        from tfmemsafe.estimate import _probe_sizes
+
+        # A line not straight yet at 128 (its floor ends at 60), with room
+        # for 512: `largest` stops it at 200, which is probed.
+        probe = _CurveProbe(50 * _MB, 0.1 * _MB, 60)
+        measurements = _probe_sizes.measure_default_sizes(
+            probe, _Unbounded(), 1, {"CPU:0": 2000 * _MB}, 200
+        )
+        self.assertEqual(
+            [size for size, _, _ in measurements], [8, 32, 128, 200]
+        )
 
 
 class ArgumentTest(parameterized.TestCase, tf.test.TestCase):

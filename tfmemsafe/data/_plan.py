@@ -107,6 +107,9 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
             measured,
             source,
             lengths=_probe_lengths(padded, base),
+            # No bucket's batch is larger than its examples: no larger is
+            # measured.
+            largest=-(-min(sizing.cap, max(counts)) // replicas),
             probe_budget=_PROBE_BUDGET,
             verbose=sizing.verbose,
         )

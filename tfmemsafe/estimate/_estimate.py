@@ -159,8 +159,9 @@ def estimate_source(
             `"prediction"` (`model.predict`).
         batch_sizes: list of int or `None`. Checked probe sizes, sorted.
         lengths: list of int or `None`. Checked other lengths, sorted.
-        largest: int or `None`. No default probe is larger than this
-            (recovery passes half the size that ran out).
+        largest: int or `None`. No default probe, at any length, is
+            larger than this (recovery passes half the size that ran out;
+            length buckets, the largest batch a bucket can hold).
         device: As in `estimate_memory`.
         probe_budget: float. The share of the free memory (the limit less
             the model's state) that the default probes may grow the peak
@@ -217,7 +218,14 @@ def estimate_source(
             free = _probe_sizes.free_bytes(probe, limits)
             line = (fixed, per_sample)
             second = _lengths.measure_lengths(
-                probe, model, source, lengths, measurements, line, free
+                probe,
+                model,
+                source,
+                lengths,
+                measurements,
+                line,
+                free,
+                largest,
             )
     finally:
         probe.close()

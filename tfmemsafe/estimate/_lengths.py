@@ -151,7 +151,9 @@ def largest_at_lengths(model, source, lengths, split):
     return tuple(pairs)
 
 
-def measure_lengths(probe, model, source, lengths, measurements, line, free):
+def measure_lengths(
+    probe, model, source, lengths, measurements, line, free, largest=None
+):
     """The per-sample and fixed parts' polynomials in the length.
 
     At each length, two batch sizes: the first holds about half as many
@@ -159,7 +161,9 @@ def measure_lengths(probe, model, source, lengths, measurements, line, free):
     length's power predicts it to grow the peak by more than `allowed`:
     twice what the largest probe did, at most half the free memory); the
     second is as large as the first's reading predicts to grow the peak
-    by `allowed`, two to `_LENGTH_PROBE_SPAN` times the first. The
+    by `allowed`, two to `_LENGTH_PROBE_SPAN` times the first. Neither is
+    larger than `largest` (the first than half of it), where given: no
+    batch larger is trained, so none is measured. The
     length's per-sample part is what the second holds above the data's
     length's `fixed`, per sample: its average, not the pair's slope, which
     at 512 tokens came from batches of 1 and 2 and read 12 to 20 MiB a
@@ -198,11 +202,15 @@ def measure_lengths(probe, model, source, lengths, measurements, line, free):
         # Predicted growth at `size`, by the steepest power the graph has.
         while size > replicas and slope * size * ratio > allowed:
             size //= 2
+        if largest is not None:
+            size = min(size, largest // 2)
         first = max(size - size % replicas, replicas)
         low = run(first)
         # Per sample at the first, with what the length adds to the fixed.
         each = max(low - fixed, 1.0) / first
         second = min(int(allowed / each), _LENGTH_PROBE_SPAN * first)
+        if largest is not None:
+            second = min(second, largest)
         second = max(second - second % replicas, 2 * first)
         while second > 2 * first and not probe.room_for(fixed + each * second):
             second = max(second // 2 - second // 2 % replicas, 2 * first)

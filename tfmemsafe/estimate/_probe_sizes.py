@@ -23,7 +23,9 @@ from tfmemsafe.errors import MemoryEstimateError
 # - or the peak has grown by at least `_GROWN` times the second probe's
 #   (the per-sample part is a real share of it) and the last two slopes
 #   agree to `_SLOPE_AGREEMENT` (the line is straight there);
-# - or after `_MAX_PROBES` (each costs a retrace).
+# - or after `_MAX_PROBES` (each costs a retrace);
+# - or at the data's size (or the largest batch the caller will train),
+#   the last size cut to it.
 # "Free" is the limit less the model's state, the same in every process.
 # The first size is probed twice and read the second time, and no
 # decision reads the first probe's level, only slopes past it.
@@ -61,15 +63,20 @@ def measure_default_sizes(
     while len(measurements) < _MAX_PROBES and not last:
         size *= 4 if len(measurements) <= _QUADRUPLED else 2
         if samples is not None and size > samples:
-            break
+            # Cut to the data (or `largest`), and probed last.
+            size = samples - samples % replicas
+            if size < _LAST_PROBE_STEP * measurements[-1][0]:
+                break
+            last = True
         if len(measurements) >= 2:
             if _straight(measurements):
                 break
-            size, predicted, last = _within_budget(
+            size, predicted, cut = _within_budget(
                 measurements, size, free, replicas, budget
             )
             if size is None:
                 break
+            last = last or cut
             if not probe.room_for(predicted):
                 break  # Something else holds memory now: stay safe.
         measurements.append(probe.run(size))
