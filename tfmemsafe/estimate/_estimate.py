@@ -160,8 +160,8 @@ def estimate_source(
         batch_sizes: list of int or `None`. Checked probe sizes, sorted.
         lengths: list of int or `None`. Checked other lengths, sorted.
         largest: int or `None`. No default probe, at any length, is
-            larger than this (recovery passes half the size that ran out;
-            length buckets, the largest batch a bucket can hold).
+            larger than this (the pre-flight check and the planner pass half
+            the batch; length buckets, the most examples a bucket holds).
         device: As in `estimate_memory`.
         probe_budget: float. The share of the free memory (the limit less
             the model's state) that the default probes may grow the peak
