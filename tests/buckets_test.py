@@ -400,12 +400,16 @@ def plan_and_fit_on_a_worker():
         plan.bucket_batch_sizes[0], length=plan.lengths[0]
     )
     usable = int(estimate.limit_bytes - held / (1 - headroom))
+    # No batch above the most examples a bucket holds, the job's.
+    replicas = strategy.num_replicas_in_sync
+    most = -(-max(plan.counts) * replicas // plan.multiple) * plan.multiple
     own = [
         min(
             estimate.max_batch_size(
                 usable, headroom=headroom, multiple=plan.multiple, length=n
             ),
             4096,
+            most,
         )
         for n in plan.lengths
     ]
@@ -692,7 +696,7 @@ class MemoryBucketsTest(tf.test.TestCase):
             ),
         )
 
-    def test_no_probe_is_larger_than_the_most_examples_a_bucket_holds(self):
+    def _largest_probed(self, **kwargs):
         from tfmemsafe.data import _plan
 
         class Stop(Exception):
@@ -702,10 +706,49 @@ class MemoryBucketsTest(tf.test.TestCase):
             _plan.estimate_lib, "estimate_source", side_effect=Stop
         ) as estimate_source:
             with self.assertRaises(Stop):
-                tfmemsafe.data.memory_buckets(self.train, self.model)
-            most = max(self._buckets().counts)
-        self.assertLess(most, 300)
-        self.assertEqual(estimate_source.call_args.kwargs["largest"], most)
+                tfmemsafe.data.memory_buckets(self.train, self.model, **kwargs)
+        return estimate_source.call_args.kwargs["largest"]
+
+    def test_no_probe_is_larger_than_the_most_examples_a_bucket_holds(self):
+        most = max(self._buckets().counts)
+        self.assertBetween(most, 40, 299)
+        self.assertEqual(self._largest_probed(), most)
+        self.assertEqual(self._largest_probed(max_batch_size=40), 40)
+        # Fewer than two default probe sizes would be no line.
+        self.assertEqual(self._largest_probed(max_batch_size=8), 32)
+
+    def test_no_batch_is_larger_than_the_most_examples_a_bucket_holds(self):
+        from tfmemsafe.data import _plan
+
+        class Probe:  # Every measured step well below the prediction.
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def step_peaks(self, batch_size, arguments):
+                return {"CPU:0": [1] * int(arguments["x"].cardinality())}, None
+
+            def close(self):
+                pass
+
+        def resized(source, size, length, steps):
+            return {"x": tf.data.Dataset.range(steps)}
+
+        with (
+            mock.patch.object(
+                _plan.estimate_lib, "estimate_source", return_value=_estimate()
+            ),
+            mock.patch.object(_plan.estimate_lib, "Probe", Probe),
+            mock.patch.object(_plan.estimate_lib, "resized_arguments", resized),
+        ):
+            buckets = tfmemsafe.data.memory_buckets(
+                self.train, self.model, multiple=8
+            )
+        most = max(buckets.counts)
+        # The most examples, rounded up to 8: the short buckets' size, which
+        # the estimate alone would make larger.
+        self.assertEqual(max(buckets.bucket_batch_sizes), -(-most // 8) * 8)
+        given = self._buckets(multiple=8)
+        self.assertGreater(max(given.bucket_batch_sizes), most + 8)
 
     def test_sizes_stop_at_max_batch_size(self):
         buckets = self._buckets(max_batch_size=100)

@@ -1284,6 +1284,18 @@ class ProbeSizesTest(tf.test.TestCase):
             [size for size, _, _ in measurements], [8, 32, 128, 200]
         )
 
+    def test_no_line_from_a_second_size_cut_short(self):
+        from tfmemsafe.errors import MemoryEstimateError
+        from tfmemsafe.estimate import _probe_sizes
+
+        # Under 32, a second size would sit on the floor beside the first.
+        probe = _CurveProbe(50 * _MB, 0.1 * _MB, 60)
+        with self.assertRaisesRegex(MemoryEstimateError, "at most 20"):
+            _probe_sizes.measure_default_sizes(
+                probe, _Unbounded(), 1, {"CPU:0": 2000 * _MB}, 20
+            )
+        self.assertEqual(set(probe.sizes), {8})
+
 
 class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     def test_uncompiled_model_is_rejected(self):

@@ -77,9 +77,10 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
     probed also at other buckets' lengths; then each bucket's batch is
     trained for a few steps and the estimate raised where a step held
     more than predicted, so that no size is above what a measurement says
-    fits. Under a multi-worker strategy it is measured on a local copy of
-    the model and made one replica's of the job (see `_workers`), as a
-    given `estimate` (one device's) is.
+    fits; and none is above the most examples a bucket holds, the
+    largest batch probed. Under a multi-worker strategy it is measured on
+    a local copy of the model and made one replica's of the job (see
+    `_workers`), as a given `estimate` (one device's) is.
     """
     strategy = model.distribute_strategy
     workers = distribute.is_multi_worker(strategy)
@@ -93,6 +94,10 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
             [sizing.size_at(estimate, held, n) for n in padded],
         )
     _check_every_input_varies(dataset)
+    # No batch of this data holds more than the most examples a bucket
+    # holds (a replica's share of it, on several workers): no larger one
+    # is measured, or given.
+    most = min(sizing.cap, _rounded_up(max(counts) * replicas, sizing.multiple))
     median = float(np.median(lengths))
     base = next(length for length in padded if length >= median)
     copying = _workers.local_copy(model) if workers else None
@@ -107,9 +112,7 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
             measured,
             source,
             lengths=_probe_lengths(padded, base),
-            # No bucket's batch is larger than its examples: no larger is
-            # measured.
-            largest=-(-min(sizing.cap, max(counts)) // replicas),
+            largest=max(-(-most // replicas), estimate_lib.FEWEST_PROBED),
             probe_budget=_PROBE_BUDGET,
             verbose=sizing.verbose,
         )
@@ -138,10 +141,18 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
     # Never larger than before the measurements: one at a length may need
     # less raising there than its neighbours' did before.
     sizes = [
-        min(sizing.size_at(first, held, n), sizing.size_at(estimate, held, n))
+        min(
+            sizing.size_at(first, held, n),
+            sizing.size_at(estimate, held, n),
+            most,
+        )
         for n in padded
     ]
     return estimate, held, sizes
+
+
+def _rounded_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
 
 
 def _without_data(estimate):

@@ -20,9 +20,11 @@ from tfmemsafe.estimate._held import state_bytes
 from tfmemsafe.estimate._lengths import resized_arguments
 from tfmemsafe.estimate._probe import Probe
 from tfmemsafe.estimate._probe import devices_of
+from tfmemsafe.estimate._probe_sizes import FEWEST_PROBED
 from tfmemsafe.estimate._result import largest_fitting
 
 __all__ = [
+    "FEWEST_PROBED",
     "MemoryEstimate",
     "Probe",
     "bound_terms",

@@ -161,7 +161,8 @@ def estimate_source(
         lengths: list of int or `None`. Checked other lengths, sorted.
         largest: int or `None`. No default probe, at any length, is
             larger than this (the pre-flight check and the planner pass half
-            the batch; length buckets, the most examples a bucket holds).
+            the batch, `find_max_batch_size` its `max_batch_size`, length
+            buckets the most examples a bucket holds).
         device: As in `estimate_memory`.
         probe_budget: float. The share of the free memory (the limit less
             the model's state) that the default probes may grow the peak

@@ -1,11 +1,12 @@
 """The probes: the model's real step at one batch size, and its peak.
 
 `measure_default_sizes` chooses the probe sizes: from `_FIRST_PROBE`,
-quadrupling twice and then doubling, until the line is straight or the
+quadrupling twice and then doubling, until the line is straight, the
 next probe would take too much of the memory the model's state leaves
-free. Each `Probe.run` trains (or evaluates, or predicts) `PROBE_STEPS`
-steps and reads the peak of every step inside a `memory.PeakWindow`, so
-the peak outside the probes stays visible to a `MemoryMonitor`.
+free, or the data (or the largest batch asked for) ends them. Each
+`Probe.run` trains (or evaluates, or predicts) `PROBE_STEPS` steps and
+reads the peak of every step inside a `memory.PeakWindow`, so the peak
+outside the probes stays visible to a `MemoryMonitor`.
 
 What makes a reading the same in every process, whatever ran before:
 

@@ -1,6 +1,6 @@
 """The default probes' batch sizes: from a small one up, until the line
-through their peaks is straight or the next would take too much of the
-free memory."""
+through their peaks is straight, the next would take too much of the
+free memory, or the data (or the largest batch trained) ends them."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ from tfmemsafe.errors import MemoryEstimateError
 #   (the per-sample part is a real share of it) and the last two slopes
 #   agree to `_SLOPE_AGREEMENT` (the line is straight there);
 # - or after `_MAX_PROBES` (each costs a retrace);
-# - or at the data's size (or the largest batch the caller will train),
-#   the last size cut to it.
+# - or at the data's size (or the largest the caller asks for), the last
+#   size cut to it where two sizes were probed before.
 # "Free" is the limit less the model's state, the same in every process.
 # The first size is probed twice and read the second time, and no
 # decision reads the first probe's level, only slopes past it.
 _FIRST_PROBE = 8
+# The fewest samples the default probes need: their first two sizes.
+FEWEST_PROBED = 4 * _FIRST_PROBE
 _QUADRUPLED = 2
 _MIN_PROBES = 3
 _MAX_PROBES = 7
@@ -63,9 +65,13 @@ def measure_default_sizes(
     while len(measurements) < _MAX_PROBES and not last:
         size *= 4 if len(measurements) <= _QUADRUPLED else 2
         if samples is not None and size > samples:
-            # Cut to the data (or `largest`), and probed last.
+            # Cut to the data (or `largest`), and probed last, past the
+            # first two sizes.
             size = samples - samples % replicas
-            if size < _LAST_PROBE_STEP * measurements[-1][0]:
+            if (
+                len(measurements) < 2
+                or size < _LAST_PROBE_STEP * measurements[-1][0]
+            ):
                 break
             last = True
         if len(measurements) >= 2:
