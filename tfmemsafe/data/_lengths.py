@@ -146,8 +146,8 @@ def read_lengths(dataset, length_fn) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def round_up(length: int) -> int:
-    return -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+def round_up(length: int, multiple: int = LENGTH_MULTIPLE) -> int:
+    return -(-length // multiple) * multiple
 
 
 def candidate_boundaries(lengths) -> list[int]:

@@ -97,7 +97,9 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
     # No batch of this data holds more than the most examples a bucket
     # holds (a replica's share of it, on several workers): no larger one
     # is measured, or given.
-    most = min(sizing.cap, _rounded_up(max(counts) * replicas, sizing.multiple))
+    most = min(
+        sizing.cap, _lengths.round_up(max(counts) * replicas, sizing.multiple)
+    )
     median = float(np.median(lengths))
     base = next(length for length in padded if length >= median)
     copying = _workers.local_copy(model) if workers else None
@@ -149,10 +151,6 @@ def planned(model, dataset, lengths, padded, counts, estimate, sizing):
         for n in padded
     ]
     return estimate, held, sizes
-
-
-def _rounded_up(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
 
 
 def _without_data(estimate):
