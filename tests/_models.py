@@ -18,6 +18,12 @@ from absl import logging
 import tfmemsafe
 from tfmemsafe import testing
 
+# For capped children whose test depends on a step's peak: independent ops
+# run one at a time, as a GPU's one stream does, so that the peak does not
+# depend on which ops ran side by side (docs/memory-estimate.md,
+# "Repeatability").
+ONE_STREAM = {"TF_NUM_INTEROP_THREADS": "1"}
+
 
 def dense_model(optimizer=None, seed=0, accumulation_steps=None):
     """A 4 -> 8 (ReLU) -> 1 regression MLP, compiled with MSE.

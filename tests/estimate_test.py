@@ -31,10 +31,6 @@ import tfmemsafe  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
 
 _MB = 1024 * 1024
-# The capped children run independent ops one at a time, as a GPU's one
-# stream does, so that a step's peak does not depend on which ops ran
-# side by side (docs/memory-estimate.md, "Repeatability").
-_ONE_STREAM = {"TF_NUM_INTEROP_THREADS": "1"}
 
 
 def _compile(model, **kwargs):
@@ -374,7 +370,7 @@ def _in_fresh_processes(target, network, count=5):
                     _REPEAT_CAP_MB[network],
                     args=[network],
                     timeout=1500,
-                    env=_ONE_STREAM,
+                    env=_models.ONE_STREAM,
                 ),
                 range(count),
             )
@@ -397,7 +393,7 @@ class RepeatableTest(tf.test.TestCase):
                 _REPEAT_CAP_MB[cls.network],
                 args=[cls.network],
                 timeout=1500,
-                env=_ONE_STREAM,
+                env=_models.ONE_STREAM,
             )
             for _ in range(5)
         ]
@@ -407,7 +403,7 @@ class RepeatableTest(tf.test.TestCase):
             _REPEAT_CAP_MB[cls.network],
             args=[cls.network],
             timeout=1500,
-            env=_ONE_STREAM,
+            env=_models.ONE_STREAM,
         )
 
     @classmethod
@@ -478,7 +474,7 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
                 cap_mb,
                 args=[name],
                 timeout=1500,
-                env=_ONE_STREAM,
+                env=_models.ONE_STREAM,
             )
             for name, (_, cap_mb, _) in _ARCHITECTURES.items()
             if _PROOF or name not in _UNMET
@@ -575,7 +571,7 @@ class OneDnnAccuracyTest(parameterized.TestCase, tf.test.TestCase):
                 _ARCHITECTURES[name][1]
             )
             environment["TF_ENABLE_ONEDNN_OPTS"] = "1"
-            environment.update(_ONE_STREAM)
+            environment.update(_models.ONE_STREAM)
             cls._results[name] = cls._pool.submit(
                 testing.run_in_subprocess,
                 accuracy_at_four_times,
@@ -1137,7 +1133,7 @@ class LengthsOnArraysTest(tf.test.TestCase):
 
     def test_arrays_are_probed_at_another_length(self):
         result = testing.run_with_memory_cap(
-            lengths_on_arrays, 700, env=_ONE_STREAM
+            lengths_on_arrays, 700, env=_models.ONE_STREAM
         )
         # Two probes at 128, each read again where the pair disagreed.
         self.assertEqual(set(result["lengths"]), {128}, msg=result)
