@@ -255,17 +255,27 @@ def _assert_the_update_of_the_whole_batch(test, result):
     test.assertEqual(*result["iterations"])
 
 
-def split_under_a_mirrored_strategy(runs_out_above, accumulation=None):
-    """The split test's run under a `MirroredStrategy` of two CPU
-    devices, beside plain `model.fit` under the same (in a fresh process:
-    the devices are set before TensorFlow makes its own)."""
+def splits_under_a_mirrored_strategy(runs):
+    """The split test's run for each `(runs_out_above, accumulation)` of
+    `runs` under a `MirroredStrategy` of two CPU devices, beside plain
+    `model.fit` under the same (in a fresh process: the devices are set
+    before TensorFlow makes its own). One process for all: the models
+    are small, and a process costs more than their runs."""
     strategy = _models.mirrored_on_two_cpus()
-    expected, logs = _reference(accumulation, epochs=2, strategy=strategy)
-    model = _model(
-        accumulation, strategy=strategy, runs_out_above=runs_out_above
-    )
-    history = _fit(model, epochs=2)
-    return _compared(model, history, expected, logs)
+    references, results = {}, []
+    for runs_out_above, accumulation in runs:
+        key = repr(accumulation)
+        if key not in references:
+            references[key] = _reference(
+                accumulation, epochs=2, strategy=strategy
+            )
+        expected, logs = references[key]
+        model = _model(
+            accumulation, strategy=strategy, runs_out_above=runs_out_above
+        )
+        history = _fit(model, epochs=2)
+        results.append(_compared(model, history, expected, logs))
+    return results
 
 
 # (runs_out_above, accumulation) of each run under a `MirroredStrategy`:
@@ -287,8 +297,8 @@ class MirroredStrategyTest(parameterized.TestCase, tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        results = _models.side_by_side(
-            split_under_a_mirrored_strategy, list(_MIRRORED.values())
+        results = testing.run_in_subprocess(
+            splits_under_a_mirrored_strategy, args=[list(_MIRRORED.values())]
         )
         cls.results = dict(zip(_MIRRORED, results, strict=True))
 
