@@ -446,7 +446,9 @@ class MeasuredBeatsPredictedTest(tf.test.TestCase):
     def test_fit_trains_at_the_size_the_finder_found(self):
         # Under a real cap the pre-flight check's estimate can predict a
         # size that trains not to fit; what the finder measured wins.
-        result = testing.run_with_memory_cap(_find_then_fit, 250)
+        result = testing.run_with_memory_cap(
+            _find_then_fit, 250, env=_models.ONE_STREAM
+        )
         self.assertEqual(result["fit_batch_size"], result["found"])
         self.assertEqual(result["events"], [])
         self.assertEqual(result["validation_fit_batch_size"], result["found"])
