@@ -102,6 +102,21 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
         self.assertTrue(plan.chosen.fits, msg=str(plan))
         self.assertIsNotNone(plan.chosen.step_seconds, msg=str(plan))
         self.assertEqual(plan.limit_bytes, limit)
+        # The checkpointed model, at fewer micro-batches than the model
+        # as it is trained at only.
+        fewest = min(
+            c.micro_batches
+            for c in plan.candidates
+            if c.step_seconds is not None and not c.checkpointing
+        )
+        recomputed = [c for c in plan.candidates if c.checkpointing]
+        self.assertNotEmpty(recomputed, msg=str(plan))
+        for candidate in recomputed:
+            self.assertLess(candidate.micro_batches, fewest, msg=str(plan))
+        self.assertIn(
+            f"checkpointing at {fewest} micro-batches or more",
+            "\n".join(plan.not_tried),
+        )
 
     @parameterized.named_parameters(
         ("exact_only", False), ("split_batch_norm", True)
@@ -151,7 +166,14 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
         reference = _residual()
         reference.fit(x, y, batch_size=_BATCH, epochs=2, verbose=0)
         model = _residual()
-        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        plan = tfmemsafe.plan(
+            model,
+            x,
+            y,
+            batch_size=_BATCH,
+            checkpointing=checkpointing,
+            verbose=0,
+        )
         chosen = Candidate(4, _BATCH // 4, checkpointing)
         plan.chosen = chosen  # As if the measurements chose it.
         history = tfmemsafe.fit(
@@ -169,7 +191,9 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
     def test_the_checkpointed_model_shares_every_variable(self):
         model = _residual()
         x, y = _data()
-        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        plan = tfmemsafe.plan(
+            model, x, y, batch_size=_BATCH, checkpointing=True, verbose=0
+        )
         plan.chosen = Candidate(1, _BATCH, True)
         planned = plan.apply(model)
         self.assertIsNot(planned, model)
@@ -199,7 +223,12 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
         model.compile("adam", "mse")
         x, _ = _data()
         plan = tfmemsafe.plan(
-            model, x, np.zeros((_ROWS, 3)), batch_size=_BATCH, verbose=0
+            model,
+            x,
+            np.zeros((_ROWS, 3)),
+            batch_size=_BATCH,
+            checkpointing=True,
+            verbose=0,
         )
         self.assertEqual(
             {c.checkpointing for c in plan.candidates}, {False, True}
@@ -222,6 +251,13 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
             self.assertIn(candidate.name, text)
         self.assertIn(f"* chosen: {plan.chosen.name}", text)
         self.assertIn("not tried: other precisions", text)
+        # The whole batch trained: recomputing could only add work.
+        self.assertEqual(plan.chosen.name, f"1 x {_BATCH}")
+        self.assertFalse(any(c.checkpointing for c in plan.candidates))
+        self.assertIn(
+            "not tried: checkpointing: the whole batch trained without it",
+            text,
+        )
 
 
 class ChoiceTest(tf.test.TestCase):
@@ -334,7 +370,9 @@ class BadInputTest(tf.test.TestCase):
     def test_a_plan_that_recomputes_refuses_a_model_compiled_again(self):
         model = _residual()
         x, y = _data()
-        plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+        plan = tfmemsafe.plan(
+            model, x, y, batch_size=_BATCH, checkpointing=True, verbose=0
+        )
         plan.chosen = Candidate(1, _BATCH, True)
         model.compile("adam", "mse")
         with self.assertRaisesRegex(ValueError, "compiled again"):
@@ -362,7 +400,9 @@ def planned_under_mirrored_strategy():
     with strategy.scope():
         model = _residual()
     x, y = _data()
-    plan = tfmemsafe.plan(model, x, y, batch_size=_BATCH, verbose=0)
+    plan = tfmemsafe.plan(
+        model, x, y, batch_size=_BATCH, checkpointing=True, verbose=0
+    )
     plan.chosen = Candidate(2, _BATCH // 2, True)
     planned = plan.apply(model)
     history = tfmemsafe.fit(

@@ -128,7 +128,9 @@ class SmokeTest(tf.test.TestCase):
     def test_plan_trains_its_choice(self):
         x, y = _data()
         model = _model(keras.layers.Dense(8, activation="relu"))
-        plan = tfmemsafe.plan(model, x, y, batch_size=32, steps=1, verbose=0)
+        plan = tfmemsafe.plan(
+            model, x, y, batch_size=32, checkpointing=True, steps=1, verbose=0
+        )
         self.assertIn(
             True, {c.checkpointing for c in plan.candidates}, msg=str(plan)
         )

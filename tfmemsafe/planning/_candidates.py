@@ -33,11 +33,12 @@ def limit_of(memory_limit, devices) -> int | None:
 
 
 def predicted(
-    planned, model, source, rows, limit, split, every=False
+    planned, model, source, rows, limit, split, every=False, fewer_than=None
 ) -> list[Candidate]:
     """Candidates from the whole batch to the fewest micro-batches
     predicted to fit, and twice as many (the whole batch alone without
-    `split`; with `every`, every halving down to one row); each with its
+    `split`; with `every`, every halving down to one row; with
+    `fewer_than`, none of that many micro-batches or more); each with its
     prediction."""
     recompute = planned is not model
     if limit is None:
@@ -51,6 +52,8 @@ def predicted(
     micro = rows
     while micro >= 1 and (every or fitting < FITTING_PER_MODEL):
         pieces = -(-rows // micro)
+        if fewer_than is not None and pieces >= fewer_than:
+            break
         peak, by = planner.peak_bytes(
             "training",
             source,

@@ -1,11 +1,13 @@
 """`tfmemsafe.plan`: the fastest way to train a batch in the memory there is.
 
-For the model as it is, and the model with its blocks recomputed, the
-memory model predicts the peak of the step at the whole batch and at
-halvings of it as micro-batches (the static bound first, probes only
-where the bound does not settle it); the fewest micro-batches predicted
-to fit, and twice as many, are then trained for a few steps on the
-model's own variables, which are put back exactly afterwards. Of those
+For the model as it is, and then the model with its blocks recomputed
+(with `checkpointing="auto"`, at fewer micro-batches than the first
+trained at: at as many, recomputing only adds work), the memory model
+predicts the peak of the step at the whole batch and at halvings of it
+as micro-batches (the static bound first, probes only where the bound
+does not settle it); the fewest micro-batches predicted to fit, and
+twice as many, are then trained for a few steps on the model's own
+variables, which are put back exactly afterwards. Of those
 that trained without running out of memory, the simplest within 5% of
 the fastest is chosen. What trained is a fact: a candidate that ran out
 while measured is not chosen, whatever was predicted. On a multi-worker
@@ -42,6 +44,11 @@ from tfmemsafe.planning._variants import checkpointed
 # them: the simpler candidate is chosen.
 _CLOSE = 0.05
 
+_WHOLE_WITHOUT_RECOMPUTATION = (
+    "checkpointing: the whole batch trained without it, and recomputing "
+    "adds a forward pass to the same step (checkpointing=True measures it)"
+)
+
 _NO_RECOMPUTATION_ON_WORKERS = (
     "checkpointing: not considered for a multi-worker job (each worker "
     "measures a copy of the model; wrap its blocks in tfmemsafe.Checkpointed "
@@ -76,7 +83,11 @@ def plan(
     measured; twice as many only where those ran out of memory or took
     more than 90% of the limit. More micro-batches are not tried: they
     need less memory still, and every micro-batch adds a step's fixed
-    cost. Of those that trained, the simplest (the model as it is before
+    cost. The checkpointed model comes second, and with
+    `checkpointing="auto"` only at fewer micro-batches than the model as
+    it is trained at (not at all where that trained whole): at as many,
+    recomputing only adds a forward pass to each. Of those that trained,
+    the simplest (the model as it is before
     the checkpointed one, then the fewest micro-batches) within 5% of the
     fastest is chosen: closer times are one speed on a machine whose load
     moves them.
@@ -110,7 +121,9 @@ def plan(
             device's. Defaults to `None`: the device's limit.
         checkpointing: bool or `"auto"`. Whether to consider recomputing
             the model's blocks; `"auto"` considers it where the model can
-            be rebuilt, and says why not elsewhere. Defaults to `"auto"`.
+            be rebuilt and where it can be faster (above), and says why
+            not elsewhere; `True` considers it at every micro-batch count
+            the model as it is was considered at. Defaults to `"auto"`.
         split_batch_norm: bool. As `tfmemsafe.SplitBatchOnOOM`'s: whether
             micro-batches may be considered for a model whose
             `BatchNormalization` layers train (each micro-batch is then
@@ -266,7 +279,23 @@ def _planned_here(
     progress = _progress(len(models), verbose)
     candidates = []
     for stage, planned in enumerate(models):
-        these = predicted(planned, model, source, rows, limit, split=split)
+        fewer_than = None
+        if stage and checkpointing == "auto":
+            fewer_than = _fewest_trained(candidates)
+            if fewer_than == 1:
+                not_tried.append(_WHOLE_WITHOUT_RECOMPUTATION)
+                break
+            if fewer_than is not None:
+                not_tried.append(_recomputed_at_as_many(fewer_than))
+        these = predicted(
+            planned,
+            model,
+            source,
+            rows,
+            limit,
+            split=split,
+            fewer_than=fewer_than,
+        )
         progress.update(2 * stage + 1)
         candidates += measured(
             these,
@@ -282,8 +311,26 @@ def _planned_here(
             ),
         )
         progress.update(2 * stage + 2)
-    checkpointed_model = models[1] if len(models) > 1 else None
+    progress.update(progress.target)
+    recomputes = any(c.checkpointing for c in candidates)
+    checkpointed_model = models[1] if recomputes else None
     return checkpointed_model, candidates, devices[0], limit
+
+
+def _fewest_trained(candidates) -> int | None:
+    """The fewest micro-batches of a candidate that trained, or `None`."""
+    return min(
+        (c.micro_batches for c in candidates if c.step_seconds is not None),
+        default=None,
+    )
+
+
+def _recomputed_at_as_many(count: int) -> str:
+    return (
+        f"checkpointing at {count} micro-batches or more: the model as it is "
+        f"trained at {count}, and recomputing adds a forward pass to each "
+        "(checkpointing=True measures them)"
+    )
 
 
 def _progress(models: int, verbose) -> keras.utils.Progbar:
