@@ -276,6 +276,8 @@ class ChoiceTest(tf.test.TestCase):
     def test_a_candidate_that_ran_out_is_not_chosen(self):
         ran_out = Candidate(1, 512, False, note="ran out of memory")
         trained = Candidate(2, 256, False, step_seconds=1.0)
+        self.assertFalse(ran_out.trained)
+        self.assertTrue(trained.trained)
         self.assertIs(
             _plan._chosen([ran_out, trained]),  # noqa: SLF001
             trained,

@@ -85,7 +85,7 @@ def measured(candidates, measure_one) -> list[Candidate]:
             done.append(
                 dataclasses.replace(candidate, note="predicted not to fit")
             )
-        elif any(c.step_seconds is not None for c in done):
+        elif any(c.trained for c in done):
             done.append(dataclasses.replace(candidate, note=NOT_MEASURED))
         else:
             done.append(measure_one(candidate))

@@ -58,6 +58,11 @@ class Candidate:
         name = f"{self.micro_batches} x {self.micro_batch_size}"
         return name + (", checkpointed" if self.checkpointing else "")
 
+    @property
+    def trained(self) -> bool:
+        """Whether the candidate trained and its step was timed."""
+        return self.step_seconds is not None
+
     def samples_per_second(self, batch_size: int) -> float | None:
         """Samples trained a second at `batch_size`, where measured."""
         if not self.step_seconds:

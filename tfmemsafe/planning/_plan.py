@@ -320,7 +320,7 @@ def _planned_here(
 def _fewest_trained(candidates) -> int | None:
     """The fewest micro-batches of a candidate that trained, or `None`."""
     return min(
-        (c.micro_batches for c in candidates if c.step_seconds is not None),
+        (c.micro_batches for c in candidates if c.trained),
         default=None,
     )
 
@@ -379,7 +379,7 @@ def _chosen(candidates) -> Candidate:
     """The first measured candidate (the simplest: no recomputation,
     then fewer micro-batches) within `_CLOSE` of the fastest; without one,
     the one predicted to need least memory (or the last considered)."""
-    trained = [c for c in candidates if c.step_seconds is not None]
+    trained = [c for c in candidates if c.trained]
     if trained:
         fastest = min(c.step_seconds for c in trained)
         return next(
