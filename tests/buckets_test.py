@@ -189,17 +189,24 @@ def fit_auto_under_cap():
     examples = data.map(lambda tokens, i: ({"tokens": tokens, "id": i}, i % 4))
     model = _counting_gru()
     first_epoch = {}
+    with (
+        testing.AllocatorFailures() as failures,
+        _models.absl_messages() as logged,
+    ):
 
-    def after_the_first_epoch(epoch, logs):
-        if epoch == 0:
-            seen = model.get_layer("seen").seen.numpy()
-            first_epoch["seen"] = sorted(set(seen.tolist()))
+        def after_the_first_epoch(epoch, logs):
+            if epoch == 0:
+                seen = model.get_layer("seen").seen.numpy()
+                first_epoch["seen"] = sorted(set(seen.tolist()))
+                # `SplitBatchOnOOM` logs a line per error it recovers from.
+                first_epoch["ran_out"] = [
+                    m for m in logged if m.startswith("Out of memory")
+                ]
 
-    callbacks = [
-        keras.callbacks.LambdaCallback(on_epoch_end=after_the_first_epoch),
-        testing.HeldMemory(1, 1, leave_mb=64),
-    ]
-    with testing.AllocatorFailures() as failures:
+        callbacks = [
+            keras.callbacks.LambdaCallback(on_epoch_end=after_the_first_epoch),
+            testing.HeldMemory(1, 1, leave_mb=64),
+        ]
         try:
             history = tfmemsafe.fit(
                 model,
@@ -216,6 +223,9 @@ def fit_auto_under_cap():
             raise
     result = _fit_result(model, history, failures)
     result["first_epoch"] = first_epoch
+    result["ran_out_logged"] = [
+        m for m in logged if m.startswith("Out of memory")
+    ]
     result["grown"] = [dataclasses.asdict(e) for e in history.grow_back_events]
     return result
 
@@ -328,9 +338,9 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
     def test_fit_auto_trains_every_example_once_an_epoch(self):
         result = self._results["fit"].result()
         # The first epoch, before anything else held memory: the planned
-        # sizes trained every example once (an out-of-memory error there
-        # would be an event of epoch 0, below).
+        # sizes trained every example once, without running out.
         self.assertEqual(result["first_epoch"]["seen"], [1.0], msg=result)
+        self.assertEqual(result["first_epoch"]["ran_out"], [], msg=result)
         if "pipeline_error" in result:
             self.skipTest("tf.data ran out beside the held step")
         self.assertNotIn(0, [event["epoch"] for event in result["events"]])
@@ -350,6 +360,8 @@ class RealCapTest(parameterized.TestCase, tf.test.TestCase):
         # every bucket at its planned size.
         events = result["events"]
         self.assertNotEmpty(events, msg=result)
+        # One log line per event: what the first epoch's check reads.
+        self.assertLen(result["ran_out_logged"], len(events), msg=result)
         for event in events:
             self.assertEqual((event["epoch"], event["phase"]), (1, "training"))
             self.assertGreaterEqual(event["split_into"], 2)
