@@ -664,7 +664,7 @@ class MemoryBucketsTest(tf.test.TestCase):
         )
         # The plan sizes by the estimate without them, exactly. (Not two
         # plans' sizes compared: each reads what is in use when it plans,
-        # and two calls read it 0.3% apart in one CI run.)
+        # and two calls may read it apart.)
         self.assertEqual(buckets.estimate, plain)
 
     def test_each_bucket_gets_the_largest_batch_predicted_to_fit(self):

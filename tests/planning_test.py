@@ -101,8 +101,8 @@ def search_under_cap():
     on the safe side: its steps are sequential and its data (token ids,
     one batch prefetched) small. The conv net's is not (`recovery_test`'s
     search on it lets the `fit` after it recover once): under this cap
-    its estimate's size peaked at 92-99% of the limit in twelve
-    processes, and over it in two CI runs."""
+    its estimate's size peaks at 92% of the limit up to over it, from
+    process to process."""
     model = testing.reference_model("gru", (None,))
     with _models.absl_messages("INFO") as messages:
         size, failures = _counting_allocator_failures(
@@ -388,7 +388,7 @@ class PeakWindowTest(tf.test.TestCase):
         if memory.memory_info(device).peak_bytes is None:
             self.skipTest("CPU:0 keeps no allocator statistics here.")
         # Against what is in use already: earlier tests in this process
-        # may have left tensors alive (66 MiB in one CI run).
+        # may have left tensors alive.
         in_use = memory.memory_info(device, include_limit=False).current_bytes
         memory.reset_peak_memory(device)
         big = tf.ones((16, 1024, 1024))  # 64 MiB
