@@ -194,14 +194,15 @@ def fit_auto_under_cap():
         _models.absl_messages() as logged,
     ):
 
+        def ran_out():
+            # `SplitBatchOnOOM` logs a line per error it recovers from.
+            return [m for m in logged if m.startswith("Out of memory")]
+
         def after_the_first_epoch(epoch, logs):
             if epoch == 0:
                 seen = model.get_layer("seen").seen.numpy()
                 first_epoch["seen"] = sorted(set(seen.tolist()))
-                # `SplitBatchOnOOM` logs a line per error it recovers from.
-                first_epoch["ran_out"] = [
-                    m for m in logged if m.startswith("Out of memory")
-                ]
+                first_epoch["ran_out"] = ran_out()
 
         callbacks = [
             keras.callbacks.LambdaCallback(on_epoch_end=after_the_first_epoch),
@@ -223,9 +224,7 @@ def fit_auto_under_cap():
             raise
     result = _fit_result(model, history, failures)
     result["first_epoch"] = first_epoch
-    result["ran_out_logged"] = [
-        m for m in logged if m.startswith("Out of memory")
-    ]
+    result["ran_out_logged"] = ran_out()
     result["grown"] = [dataclasses.asdict(e) for e in history.grow_back_events]
     return result
 
