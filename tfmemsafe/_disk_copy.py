@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 # The largest saved piece: what putting a value back needs free at least.
-# (Reading a slice of a larger saved tensor does not help: with 4 MB free,
-# TensorFlow 2.21 failed to read 1 MiB of a 16 MiB one, "Bad address".)
+# (Reading a slice of a larger saved tensor does not help: it needs more
+# free than the slice, and fails with "Bad address" where the slice fit.)
 _PIECE_BYTES = 2**20
 # The most written or read at once: the host (and, on a GPU, the device)
 # memory a copy needs beyond the model, give or take one piece.

@@ -27,8 +27,8 @@ from tfmemsafe.data._memory_buckets import MemoryBuckets
 
 _DEFAULT_MAX_BATCH_SIZE = 4096
 # Every bucket's batch is predicted near the limit, where the allocator's
-# fragmentation adds most: a transformer's buckets under a 160 MB cap
-# peaked up to 18% above their predictions (docs/variable-length.md).
+# fragmentation adds most (docs/variable-length.md, "Why each bucket is
+# measured, and 20% headroom").
 HEADROOM = 0.2
 
 

@@ -36,7 +36,7 @@ _STATE_COPIES = 2
 # assembled, and one more for a parallel map.
 _INPUT_BATCHES = 4
 # On CPUs without oneDNN, Eigen's convolution gradients unroll images into
-# im2col buffers of up to ~30 MB each, two at once: a constant that no
+# im2col buffers whose size Eigen caps, two at once: a constant that no
 # tensor of the graph shows (docs/memory-estimate.md, "When the line
 # bends").
 _CONVOLUTION_BUFFERS = 96 * 2**20

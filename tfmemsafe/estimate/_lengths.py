@@ -29,10 +29,9 @@ from tfmemsafe.estimate import _probe
 _LENGTH_PROBE_SPAN = 4
 # What a length adds to the fixed part is extrapolated by the length's
 # steepest power (16 times at four times the length, for a transformer's
-# quadratic), so a pair of probes that makes it more than this share of
-# the first's growth is read again: one low reading of the second (252.8
-# MB where five other processes read 307.3, at 64 samples of 256 tokens)
-# made 26.6 MB at 256 tokens into 400 MB at 1024.
+# quadratic), so one low reading of the second probe can multiply the
+# prediction at a long length many times over. A pair of probes that
+# makes it more than this share of the first's growth is read again.
 _CONFIRMED_EXCESS = 0.05
 
 

@@ -102,10 +102,10 @@ class Probe:
                 # the run gathers: converted once, before every probe's
                 # window, and what that added to the allocator counted
                 # (`data_on`), not read: a tensor converted from NumPy may
-                # use the array's buffer in place or copy it in, a 24 MiB
-                # swing between processes on a small conv net's data.
-                # Never copied again: a second copy took a third of a 300
-                # MB cap from a run whose data was 96 MiB. Without tensors
+                # use the array's buffer in place or copy it in, and which
+                # one differs between processes. Never copied again: a
+                # second copy of the data would count against the cap as
+                # the run never does. Without tensors
                 # (leaves that Keras converts itself), copies of the
                 # arrays: an op's copy raises when memory is short, where
                 # converting an array in `fit` can end the process.

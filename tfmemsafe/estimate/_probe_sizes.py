@@ -11,8 +11,8 @@ from tfmemsafe.errors import MemoryEstimateError
 # Default probes. A step's peak is not a line from batch 1: at small
 # batches a floor that no sample adds to sets it (the optimizer update,
 # the data, and on oneDNN-off CPUs the im2col buffers of Eigen's
-# convolution gradients, capped at ~30 MB each: a floor of 60-70 MiB for
-# any conv net), and it grows with the batch only past that. So sizes
+# convolution gradients, which Eigen caps: a floor for any conv net), and
+# it grows with the batch only past that. So sizes
 # are `_FIRST_PROBE`, four and sixteen times it, then double, and stop
 # when
 # - the next size is predicted (by the last slope) to grow the peak over

@@ -16,8 +16,8 @@ from tfmemsafe.estimate._lengths import polynomial
 # `max_batch_size` keeps room for this many more of the step's largest
 # tensors at the batch, beside the headroom: a step scheduled with one
 # more alive than the probes' median step, and the BFC allocator's
-# fragmentation, which only a chunk of that size can fill (an MLP's
-# 36 MiB activations ran out under a 250 MB cap at the line's size).
+# fragmentation, which only a chunk of that size can fill: without it, a
+# network of few large tensors runs out at the line's size.
 SPARE_TENSORS = 1
 
 
