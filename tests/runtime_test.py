@@ -15,10 +15,12 @@ from tfmemsafe import testing
 
 _MB = 1024 * 1024
 
-# What the children start from: nothing set by the user. This process
+# What the children start from: nothing set by the user, and nothing
+# imported (what happens at import is what they test). This process
 # imported tfmemsafe, which set TF_CPU_ALLOCATOR_USE_BFC for itself; an
 # empty value counts as unset, for TensorFlow too.
 _UNSET = {
+    "TFMEMSAFE_TESTING_PRELOAD": "",
     "TFMEMSAFE_AUTOCONFIGURE": "",
     "TFMEMSAFE_MEMORY_GROWTH": "",
     "TFMEMSAFE_PRECISION": "",
@@ -340,8 +342,9 @@ class TensorFlowLogsTest(tf.test.TestCase):
             import_order_children.out_of_memory_lines,
             200,
             kwargs=kwargs,
-            # Whatever this process was started with: tfmemsafe decides.
-            env={"TF_CPP_MIN_LOG_LEVEL": ""},
+            # Whatever this process was started with: tfmemsafe decides,
+            # in a process that has not imported TensorFlow yet.
+            env={"TF_CPP_MIN_LOG_LEVEL": "", "TFMEMSAFE_TESTING_PRELOAD": ""},
         )
 
     def test_importing_tfmemsafe_first_hides_the_allocator_dump(self):

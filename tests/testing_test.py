@@ -79,6 +79,18 @@ def _raise_value_error():
     raise ValueError("the child's own message")
 
 
+# Fresh children, and children forked from a server that has imported
+# TensorFlow and Keras (this suite's default, see conftest.py).
+_CHILD_KINDS = (("fresh", ""), ("forked", "1"))
+
+
+def _preload(value, **env):
+    return {"TFMEMSAFE_TESTING_PRELOAD": value, **env}
+
+
+_KERAS_IMPORTED = "'keras' in __import__('sys').modules"
+
+
 class MemoryCapTest(parameterized.TestCase, tf.test.TestCase):
     def test_capped_children_keep_the_allocator_dump_out_unless_asked(self):
         unset = {
@@ -185,18 +197,22 @@ class RunInSubprocessTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIsInstance(caught.exception.__cause__, ValueError)
         self.assertFalse(tfmemsafe.is_oom_error(caught.exception))
 
-    def test_timeout_kills_the_child(self):
+    @parameterized.named_parameters(*_CHILD_KINDS)
+    def test_timeout_kills_the_child(self, preload):
         with self.assertRaisesRegex(
             testing.SubprocessError, r"killed by signal"
         ) as caught:
-            testing.run_in_subprocess("time:sleep", args=[60], timeout=1)
+            testing.run_in_subprocess(
+                "time:sleep", args=[60], timeout=1, env=_preload(preload)
+            )
         self.assertIn("still running after 1 s", caught.exception.stderr)
 
-    def test_a_crash_shows_where_the_child_was(self):
+    @parameterized.named_parameters(*_CHILD_KINDS)
+    def test_a_crash_shows_where_the_child_was(self, preload):
         with self.assertRaisesRegex(
             testing.SubprocessError, r"killed by signal 11"
         ) as caught:
-            testing.run_in_subprocess(_crash)
+            testing.run_in_subprocess(_crash, env=_preload(preload))
         self.assertIn("Segmentation fault", caught.exception.stderr)
         self.assertIn("in _crash", caught.exception.stderr)
 
@@ -218,6 +234,68 @@ class RunInSubprocessTest(parameterized.TestCase, tf.test.TestCase):
     def test_missing_script_is_refused(self):
         with self.assertRaisesRegex(ValueError, r"script not found"):
             testing.run_in_subprocess("/no/such/script.py")
+
+
+class PreloadTest(parameterized.TestCase, tf.test.TestCase):
+    @parameterized.named_parameters(*_CHILD_KINDS)
+    def test_a_child_is_forked_with_keras_imported_only_if_asked(self, preload):
+        env = _preload(preload)
+        parent = testing.run_in_subprocess("os:getppid", env=env)
+        imported = testing.run_in_subprocess(
+            "builtins:eval", args=[_KERAS_IMPORTED], env=env
+        )
+        self.assertEqual(parent == os.getpid(), not preload)
+        self.assertEqual(imported, bool(preload))
+
+    def test_the_cap_applies_to_a_forked_child(self):
+        result = testing.run_with_memory_cap(
+            _oom_then_recover, 300, env=_preload("1")
+        )
+        self.assertTrue(result["oom"])
+        self.assertTrue(result["classified"])
+        self.assertEqual(result["failures_after"], 0)
+
+    def test_each_environment_read_at_import_has_its_own_server(self):
+        def server(**env):
+            return testing.run_in_subprocess(
+                "os:getppid", env=_preload("1", **env)
+            )
+
+        # The cap is read when TensorFlow makes its first device: one
+        # server serves every cap. oneDNN's switch is read at import.
+        capped = server(
+            TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_BFC_MEM_LIMIT_IN_MB="1"
+        )
+        self.assertEqual(
+            server(TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_BFC_MEM_LIMIT_IN_MB="2"),
+            capped,
+        )
+        self.assertNotEqual(server(TF_ENABLE_ONEDNN_OPTS="1"), capped)
+        self.assertNotEqual(capped, os.getpid())
+
+    def test_a_server_that_cannot_start_leaves_a_fresh_child_and_a_warning(
+        self,
+    ):
+        env = _preload("1", KERAS_BACKEND="no_such_backend")
+        with self.assertLogs(level="WARNING") as logs:
+            parent = testing.run_in_subprocess("os:getppid", env=env)
+        self.assertEqual(parent, os.getpid())
+        self.assertIn("it starts afresh", "\n".join(logs.output))
+
+    def test_a_forked_child_has_the_environment_it_asked_for(self):
+        env = _preload("1", TFMEMSAFE_SOME_SETTING="x", TF_CONFIG="{}")
+        self.assertEqual(
+            testing.run_in_subprocess(
+                _environment, args=["TFMEMSAFE_SOME_SETTING"], env=env
+            ),
+            "x",
+        )
+        self.assertEqual(
+            testing.run_in_subprocess(
+                _environment, args=["TF_CONFIG"], env=env
+            ),
+            "{}",
+        )
 
 
 class _Steps(keras.callbacks.Callback):

@@ -15,7 +15,9 @@ tests in this process, `OutOfMemoryAbove` raises the error inside the
 step on batches above some rows, and `SimulatedOutOfMemory` from a
 callback at chosen steps; `reference_model`, `random_data` and
 `random_images` give seeded networks and data that tests and benchmarks
-share.
+share. With `TFMEMSAFE_TESTING_PRELOAD=1`, children are forked from a
+process that has TensorFlow and Keras imported instead of importing them
+each.
 """
 
 from tfmemsafe.testing._allocator import AllocatorFailures

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from tfmemsafe import _messages
+from tfmemsafe.testing import _preloaded
 
 _STDERR_TAIL_LINES = 30
 # A child ended by a signal leaves the Python stack of every thread
@@ -110,15 +111,21 @@ class _Child:
             }
             command = [sys.executable, "-c", _BOOTSTRAP, json.dumps(payload)]
         self.capture = capture
-        pipe = subprocess.PIPE if capture else None
-        self.process = subprocess.Popen(
-            command,
-            env=child_env,
-            stdout=pipe,
-            stderr=pipe,
-            text=True,
-            start_new_session=True,
-        )
+        self.process = None
+        if self.result_path and capture and _preloaded.wanted(child_env):
+            self.process = _preloaded.fork(
+                _BOOTSTRAP, command[3:], child_env, directory
+            )
+        if self.process is None:
+            pipe = subprocess.PIPE if capture else None
+            self.process = subprocess.Popen(
+                command,
+                env=child_env,
+                stdout=pipe,
+                stderr=pipe,
+                text=True,
+                start_new_session=True,
+            )
         self.stdout = self.stderr = ""
 
     def wait(self, timeout: float) -> None:

@@ -100,6 +100,13 @@ def run_in_subprocess(
     at import, the Keras dtype policy, logical devices). The child sees
     this process's `sys.path`, so anything importable here is there too.
     Arguments and returns are as for `run_with_memory_cap`.
+
+    With `TFMEMSAFE_TESTING_PRELOAD=1` in the child's environment (this
+    process's or `env`), a function target whose output is captured is
+    forked instead from a server process that has imported TensorFlow
+    and Keras and made no device yet, which saves each child that import;
+    the same holds for `run_with_memory_cap` and `run_workers`. Leave it
+    unset where the import itself is under test.
     """
     with tempfile.TemporaryDirectory(prefix="tfmemsafe-") as tmp:
         child = _Child(target, args, kwargs, env, capture_output, tmp)
