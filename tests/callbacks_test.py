@@ -594,7 +594,7 @@ class MemoryMonitorTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLen(result["history"], 2)
         # Fresh peaks for the retry, not the failed attempt's. (Where the
         # failed attempt's peak stood when it ran out varies with the
-        # allocator's fragmentation: 140 MB in one run, over 150 in others.)
+        # allocator's fragmentation, so it is not compared with a figure.)
         self.assertLess(max(result["history"]), result["peak_at_oom"])
         self.assertEqual(
             result["samples"],

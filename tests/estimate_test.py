@@ -592,12 +592,10 @@ class OneDnnAccuracyTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIsNotNone(result["measured"], msg=f"{name}: {result}")
         # The transformer's step has two levels, at random: it holds one
         # or two sets of attention scores (the step's largest tensor) at
-        # once, in the probes as in the steps measured. Beside other
-        # capped runs, a prediction of the lower read -21% (222 MB at 4
-        # sequences, 282 MB measured); in another process, one of the
-        # higher +29% (213 MB at 3, 165 MB measured); in others within
-        # 0.5%. So each is held to 15% of the prediction give or take one
-        # largest tensor.
+        # once, in the probes as in the steps measured, so a prediction
+        # from one level is off by about one such tensor when the steps
+        # measured ran at the other. So each is held to 15% of the
+        # prediction give or take one largest tensor.
         errors = [
             predicted / result["measured"] - 1
             for predicted in (
@@ -696,8 +694,8 @@ class EstimateMemoryTest(tf.test.TestCase):
 
     def test_line_passes_near_every_measurement(self):
         # A fresh process: in a long-lived one, what earlier work left on
-        # the allocator can hide a small model's growth (seen in a full
-        # serial run of the suite, peaks flat at 45 MiB).
+        # the allocator can hide a small model's growth (its peaks read
+        # flat).
         result = testing.run_in_subprocess(
             _estimate_a_small_mlp,
             env={
@@ -730,8 +728,8 @@ class EstimateMemoryTest(tf.test.TestCase):
 
 
 def _estimate_a_small_mlp():
-    # Sizes past the MLP's floor (its Adam update, flat to about 256):
-    # at 64 to 256 a small MLP's peaks were noise (24.6, 28.1, 24.0 MiB).
+    # Sizes past the MLP's floor (its Adam update, flat to about 256),
+    # where its peaks are noise around the floor.
     estimate = tfmemsafe.estimate_memory(
         testing.reference_model("mlp"),
         testing.random_data((256,)),

@@ -135,7 +135,7 @@ class RealCapTest(tf.test.TestCase):
                 _CAP_MB,
                 args=args,
                 # Counts of out-of-memory errors hang on the conv net's
-                # peak at 512, which default inter-op threads move by 40 MB.
+                # peak at 512, which default inter-op threads move.
                 env=_models.ONE_STREAM,
             )
             for name, (target, args) in scenarios.items()
@@ -192,8 +192,7 @@ class RealCapTest(tf.test.TestCase):
     def test_find_max_batch_size_confirms_the_estimate_without_oom(self):
         result = self.result("search")
         self.assertEqual(result["failures"], 0, msg=result)
-        # One trial, at the estimate's size: 1008 to 1040 in six
-        # processes, each peaking at 82-85% of the limit.
+        # One trial, at the estimate's size, which trains.
         size = result["size"]
         self.assertEqual(
             result["tried"],
