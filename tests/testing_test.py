@@ -280,7 +280,7 @@ class PreloadTest(parameterized.TestCase, tf.test.TestCase):
         with self.assertLogs(level="WARNING") as logs:
             parent = testing.run_in_subprocess("os:getppid", env=env)
         self.assertEqual(parent, os.getpid())
-        self.assertIn("it starts afresh", "\n".join(logs.output))
+        self.assertIn("start afresh", "\n".join(logs.output))
 
     def test_a_forked_child_has_the_environment_it_asked_for(self):
         env = _preload("1", TFMEMSAFE_SOME_SETTING="x", TF_CONFIG="{}")

@@ -71,7 +71,8 @@ def memory_cap_environment(cap_mb: int) -> dict[str, str]:
     set, `TF_CPP_MIN_LOG_LEVEL=1`, which keeps TensorFlow's allocator dump
     (about 1,900 INFO lines per failed allocation) out of the child's
     output while its one-line WARNING, which `AllocatorFailures` counts,
-    stays. These must be set before TensorFlow is imported.
+    stays. TensorFlow reads oneDNN's switch and the log level as it is
+    imported, and the cap as it makes its first device: set them before.
     """
     cap_mb = _checks.integer("cap_mb", cap_mb, 1)
     environment = {

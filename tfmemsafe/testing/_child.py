@@ -1,7 +1,8 @@
 """The child process behind `tfmemsafe.testing`'s runners.
 
 A target (a module-level function, its `"module:function"` path, or a
-script) runs in a fresh Python process that sees this process's `sys.path`;
+script) runs in a fresh Python process (or one forked from a process with
+TensorFlow imported: `_preloaded`) that sees this process's `sys.path`;
 its return value comes back as JSON, and its exception is rebuilt here,
 keeping TensorFlow's error classes so that `is_oom_error` works on it.
 """
@@ -114,7 +115,7 @@ class _Child:
         self.process = None
         if self.result_path and capture and _preloaded.wanted(child_env):
             self.process = _preloaded.fork(
-                _BOOTSTRAP, command[3:], child_env, directory
+                _BOOTSTRAP, [json.dumps(payload)], child_env, directory
             )
         if self.process is None:
             pipe = subprocess.PIPE if capture else None

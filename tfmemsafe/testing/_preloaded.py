@@ -16,8 +16,10 @@ reads at import is as the child asked; a child whose environment differs
 there gets its own server. What is not
 as in a fresh process: TensorFlow and Keras are imported before the
 target runs (a target that sets their import-time variables itself, or
-reads what they print at import, needs a fresh process), and every child
-of one server starts from the same Python hash seed.
+reads what they print at import, needs a fresh process; without
+`TF_CPP_MIN_LOG_LEVEL` set, tfmemsafe's import finds TensorFlow imported
+first and leaves its INFO logs shown), and every child of one server
+starts from the same Python hash seed and NumPy random state.
 """
 
 from __future__ import annotations
@@ -25,26 +27,31 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from absl import logging
 
 _SWITCH = "TFMEMSAFE_TESTING_PRELOAD"
-# Read when TensorFlow makes its first device or strategy, not at import.
+# Read when TensorFlow makes its first device, or a strategy its cluster.
 _READ_AFTER_IMPORT = frozenset(
     {"TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB", "TF_CONFIG"}
 )
 _MOST_SERVERS = 4
+_START_TIMEOUT_S = 300
 _POLL_S = 0.05
 
 # The server. It reads one JSON request per line and answers with the
 # forked child's pid; the child's exit code goes into the file the request
 # names once the server has reaped it. It ends when its standard input
-# closes, that is when the process that started it ends.
+# closes (the process that started it asked, or ended), once its children
+# have. Only registered children are reaped, and once more after each
+# registration, so no exit is missed whichever thread takes the signal.
 _SERVER = r"""
 import json, os, signal, sys
 import keras, tensorflow
@@ -54,18 +61,24 @@ children = {}
 
 def record(pid, status):
     path = children.pop(pid, None)
-    if path:
+    if path is None:
+        return
+    try:
         with open(path + ".tmp", "w") as f:
             f.write(str(os.waitstatus_to_exitcode(status)))
         os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # The caller has gone, with the child's directory.
 
 
 def reap(*_):
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            return
-        record(pid, status)
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue  # Reaped by a call this signal interrupted.
+        if done:
+            record(pid, status)
 
 
 def serve():
@@ -73,36 +86,34 @@ def serve():
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        # A child that ends before it is registered is reaped after.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             return request
         children[pid] = request["returncode_path"]
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        reap()
         print(json.dumps({"pid": pid}), flush=True)
-    # Asked to stop: the children still running are waited for.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    while children:
-        record(*os.waitpid(-1, 0))
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for pid in list(children):
+        record(*os.waitpid(pid, 0))
     sys.exit(0)
 
 
 request = serve()
 os.setsid()
-os.chdir(request["cwd"])
-os.environ.clear()
-os.environ.update(request["env"])
 for fd, path, flags in (
     (0, os.devnull, os.O_RDONLY),
     (1, request["stdout_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
     (2, request["stderr_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
 ):
-    os.dup2(os.open(path, flags), fd)
+    opened = os.open(path, flags)
+    os.dup2(opened, fd)
+    os.close(opened)
+os.chdir(request["cwd"])
+os.environ.clear()
+os.environ.update(request["env"])
 sys.argv = ["-c", *request["argv"]]
-exec(compile(__bootstrap__, "<string>", "exec"))
+exec(compile(request["bootstrap"], "<string>", "exec"))
 """
 
 
@@ -115,13 +126,14 @@ class ForkedProcess:
     """A child forked by a server, behind the part of `subprocess.Popen`'s
     interface that `tfmemsafe.testing` uses; its output goes to files."""
 
-    def __init__(self, pid: int, directory: str, server):
+    def __init__(self, pid: int, directory: str, server: subprocess.Popen):
         self.pid = pid
         self.returncode = None
         self._directory = directory
         self._server = server
 
-    def poll(self):
+    def poll(self) -> int | None:
+        """The exit code once the server has reaped the child, else `None`."""
         if self.returncode is None:
             path = os.path.join(self._directory, "returncode")
             if os.path.exists(path):
@@ -136,7 +148,8 @@ class ForkedProcess:
                 self.returncode = -signal.SIGKILL
         return self.returncode
 
-    def communicate(self, timeout: float | None = None):
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Waits for the child's end; returns its stdout and stderr."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -145,15 +158,21 @@ class ForkedProcess:
         return self._read("stdout"), self._read("stderr")
 
     def _read(self, name: str) -> str:
-        with open(os.path.join(self._directory, name), errors="replace") as f:
-            return f.read()
+        try:
+            with open(
+                os.path.join(self._directory, name), errors="replace"
+            ) as f:
+                return f.read()
+        except FileNotFoundError:  # The child ended before it opened it.
+            return ""
 
 
 def fork(bootstrap: str, argv: list, env: dict, directory: str):
     """Forks a child running `bootstrap` with `argv` and `env`, from the
-    server for `env`; `None` if no server could start (the caller then
-    starts a fresh process)."""
+    server for `env`; `None` if there is none (the caller then starts a
+    fresh process)."""
     request = {
+        "bootstrap": bootstrap,
         "argv": argv,
         "env": env,
         "cwd": os.getcwd(),
@@ -162,39 +181,28 @@ def fork(bootstrap: str, argv: list, env: dict, directory: str):
         "returncode_path": os.path.join(directory, "returncode"),
     }
     with _lock:
-        server = _server_for(env, bootstrap)
+        server = _server_for(env)
         reply = None if server is None else server.ask(request)
     if reply is None:
-        logging.warning(
-            "No process with TensorFlow imported could fork this child "
-            "(%s=1); it starts afresh.",
-            _SWITCH,
-        )
         return None
     return ForkedProcess(reply["pid"], directory, server.process)
 
 
 class _Server:
-    def __init__(self, env: dict, bootstrap: str):
-        source = _SERVER.replace("__bootstrap__", repr(bootstrap))
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", source],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        self.ready = self._reply() is not None
+    """A running server: its process and where its stderr goes."""
+
+    def __init__(self, process: subprocess.Popen, stderr_path: str):
+        self.process = process
+        self.stderr_path = stderr_path
 
     def ask(self, request: dict) -> dict | None:
+        """Forks a child; its pid, or `None` if the server is gone."""
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
         except OSError:
             return None
-        return self._reply()
+        return _reply(self.process, None)
 
     def close(self) -> None:
         """Asks the server to end once its running children have."""
@@ -202,17 +210,62 @@ class _Server:
             self.process.stdin.close()
         except OSError:
             pass
+        try:
+            os.remove(self.stderr_path)
+        except OSError:
+            pass
 
-    def _reply(self) -> dict | None:
-        line = self.process.stdout.readline()
-        return json.loads(line) if line else None
+
+def _start(env: dict) -> _Server | None:
+    """A server started with `env`, or `None` (and a warning with why)."""
+    fd, stderr_path = tempfile.mkstemp(prefix="tfmemsafe-server-")
+    with os.fdopen(fd, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+    server = _Server(process, stderr_path)
+    if _reply(process, _START_TIMEOUT_S) is not None:
+        return server
+    process.kill()
+    process.wait()
+    with open(stderr_path, errors="replace") as f:
+        tail = "\n".join(f.read().rstrip().splitlines()[-10:])
+    server.close()
+    logging.warning(
+        "No process with TensorFlow imported could start to fork children "
+        "from (%s=1); they start afresh. Its stderr ended:\n%s",
+        _SWITCH,
+        tail,
+    )
+    return None
+
+
+def _reply(process: subprocess.Popen, timeout: float | None) -> dict | None:
+    """The server's next line, read as JSON; `None` if it ended, wrote
+    something else or took longer than `timeout` seconds."""
+    if timeout is not None:
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        if not ready:
+            return None
+    try:
+        return json.loads(process.stdout.readline())
+    except ValueError:
+        return None
 
 
 _lock = threading.Lock()
 _servers: dict[tuple, _Server] = {}
+# Environments a server could not start with: their children start fresh.
+_failed: set[tuple] = set()
 
 
-def _server_for(env: dict, bootstrap: str) -> _Server | None:
+def _server_for(env: dict) -> _Server | None:
     key = tuple(
         sorted(
             (name, value)
@@ -221,17 +274,20 @@ def _server_for(env: dict, bootstrap: str) -> _Server | None:
             and not name.startswith(("TFMEMSAFE_", "PYTEST_"))
         )
     )
+    if key in _failed:
+        return None
     server = _servers.pop(key, None)
     if server is not None and server.process.poll() is not None:
+        server.close()
         server = None
     if server is None:
+        server = _start(dict(key))
+        if server is None:
+            _failed.add(key)
+            return None
         if len(_servers) >= _MOST_SERVERS:
             _servers.pop(next(iter(_servers))).close()
-        server = _Server(dict(key), bootstrap)
-        if not server.ready:
-            server.close()
-            return None
-    _servers[key] = server  # the most recently used last
+    _servers[key] = server  # The most recently used last.
     return server
 
 
