@@ -1,7 +1,9 @@
 """Tests for tfmemsafe.testing: subprocesses and a real allocator OOM."""
 
+import concurrent.futures
 import os
 import tempfile
+import time
 from unittest import mock
 
 import keras
@@ -11,6 +13,7 @@ from absl.testing import parameterized
 
 import tfmemsafe
 from tfmemsafe import testing
+from tfmemsafe.testing import _preloaded
 
 
 def _train_conv_net(batch_size, steps=2):
@@ -62,6 +65,11 @@ def _add(a, b, *, scale=1):
 
 def _environment(name):
     return os.environ.get(name)
+
+
+def _sleep_then_return(seconds, value):
+    time.sleep(seconds)
+    return value
 
 
 def _crash():
@@ -272,6 +280,49 @@ class PreloadTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertNotEqual(server(TF_ENABLE_ONEDNN_OPTS="1"), capped)
         self.assertNotEqual(capped, os.getpid())
+
+    def test_a_child_of_a_server_told_to_stop_still_returns(self):
+        # One server at most: the second environment stops the first's,
+        # which ends only once its running child has.
+        first = ("KERAS_HOME", "/first")
+        with mock.patch.object(_preloaded, "_MOST_SERVERS", 1):
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                sleeping = pool.submit(
+                    testing.run_in_subprocess,
+                    _sleep_then_return,
+                    args=[3, "done"],
+                    env=_preload("1", **dict([first])),
+                )
+                # Its server is listed before it forks the child, and
+                # forks it before another child can be asked for.
+                deadline = time.monotonic() + 120
+                while not any(first in key for key in _preloaded._servers):
+                    self.assertLess(time.monotonic(), deadline)
+                    time.sleep(0.05)
+                other = testing.run_in_subprocess(
+                    "os:getpid", env=_preload("1", KERAS_HOME="/nowhere")
+                )
+                self.assertEqual(sleeping.result(timeout=120), "done")
+        self.assertIsInstance(other, int)
+
+    def test_a_child_whose_server_dies_is_reported_killed(self):
+        env = _preload("1", KERAS_HOME="/server-that-dies")
+        testing.run_in_subprocess("os:getpid", env=env)  # Starts it.
+        (server,) = [
+            server
+            for key, server in _preloaded._servers.items()
+            if ("KERAS_HOME", "/server-that-dies") in key
+        ]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sleeping = pool.submit(
+                testing.run_in_subprocess, "time:sleep", args=[60], env=env
+            )
+            time.sleep(2)
+            server.process.kill()
+            with self.assertRaisesRegex(
+                testing.SubprocessError, r"killed by signal 9"
+            ):
+                sleeping.result(timeout=30)
 
     def test_a_server_that_cannot_start_leaves_a_fresh_child_and_a_warning(
         self,
