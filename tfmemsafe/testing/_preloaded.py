@@ -118,8 +118,9 @@ exec(compile(request["bootstrap"], "<string>", "exec"))
 
 
 def wanted(env: dict) -> bool:
-    """Whether a child with this environment is forked from a server."""
-    return env.get(_SWITCH, "") == "1"
+    """Whether a child with this environment is forked from a server:
+    asked for, where processes fork (not on Windows)."""
+    return env.get(_SWITCH, "") == "1" and hasattr(os, "fork")
 
 
 class ForkedProcess:
@@ -180,11 +181,16 @@ def fork(bootstrap: str, argv: list, env: dict, directory: str):
         "stderr_path": os.path.join(directory, "stderr"),
         "returncode_path": os.path.join(directory, "returncode"),
     }
+    key = _key(env)
     with _lock:
-        server = _server_for(env)
-        reply = None if server is None else server.ask(request)
-    if reply is None:
-        return None
+        server = _server_for(key)
+        if server is None:
+            return None
+        reply = server.ask(request)
+        if reply is None:
+            del _servers[key]
+            _give_up(key, server, "could not fork a child")
+            return None
     return ForkedProcess(reply["pid"], directory, server.process)
 
 
@@ -216,13 +222,14 @@ class _Server:
             pass
 
 
-def _start(env: dict) -> _Server | None:
-    """A server started with `env`, or `None` (and a warning with why)."""
+def _start(key: tuple) -> _Server | None:
+    """A server started with the environment `key`, or `None` if it does
+    not start."""
     fd, stderr_path = tempfile.mkstemp(prefix="tfmemsafe-server-")
     with os.fdopen(fd, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-c", _SERVER],
-            env=env,
+            env=dict(key),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -234,16 +241,23 @@ def _start(env: dict) -> _Server | None:
         return server
     process.kill()
     process.wait()
-    with open(stderr_path, errors="replace") as f:
+    _give_up(key, server, "could not start")
+    return None
+
+
+def _give_up(key: tuple, server: _Server, what: str) -> None:
+    """Children of this environment start fresh from now on; says why."""
+    with open(server.stderr_path, errors="replace") as f:
         tail = "\n".join(f.read().rstrip().splitlines()[-10:])
     server.close()
+    _failed.add(key)
     logging.warning(
-        "No process with TensorFlow imported could start to fork children "
-        "from (%s=1); they start afresh. Its stderr ended:\n%s",
+        "A process with TensorFlow imported to fork children from (%s=1) "
+        "%s; they start afresh. Its stderr ended:\n%s",
         _SWITCH,
+        what,
         tail,
     )
-    return None
 
 
 def _reply(process: subprocess.Popen, timeout: float | None) -> dict | None:
@@ -265,8 +279,9 @@ _servers: dict[tuple, _Server] = {}
 _failed: set[tuple] = set()
 
 
-def _server_for(env: dict) -> _Server | None:
-    key = tuple(
+def _key(env: dict) -> tuple:
+    """What of `env` a server must be started with."""
+    return tuple(
         sorted(
             (name, value)
             for name, value in env.items()
@@ -274,6 +289,11 @@ def _server_for(env: dict) -> _Server | None:
             and not name.startswith(("TFMEMSAFE_", "PYTEST_"))
         )
     )
+
+
+def _server_for(key: tuple) -> _Server | None:
+    """The running server for `key`, started if need be; `None` if none
+    can start."""
     if key in _failed:
         return None
     server = _servers.pop(key, None)
@@ -281,9 +301,8 @@ def _server_for(env: dict) -> _Server | None:
         server.close()
         server = None
     if server is None:
-        server = _start(dict(key))
+        server = _start(key)
         if server is None:
-            _failed.add(key)
             return None
         if len(_servers) >= _MOST_SERVERS:
             _servers.pop(next(iter(_servers))).close()
