@@ -72,6 +72,21 @@ def _sleep_then_return(seconds, value):
     return value
 
 
+def _children_of(pid):
+    """The pids of a process's children (Linux's /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # The parent's pid is the second field after the name.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid:
+            children.append(int(entry))
+    return children
+
+
 def _crash():
     """Reads address 0: the process ends with SIGSEGV."""
     import ctypes
@@ -317,7 +332,11 @@ class PreloadTest(parameterized.TestCase, tf.test.TestCase):
             sleeping = pool.submit(
                 testing.run_in_subprocess, "time:sleep", args=[60], env=env
             )
-            time.sleep(2)
+            # Killed once it has forked the child, however long that takes.
+            deadline = time.monotonic() + 120
+            while not _children_of(server.process.pid):
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
             server.process.kill()
             with self.assertRaisesRegex(
                 testing.SubprocessError, r"killed by signal 9"
