@@ -11,6 +11,7 @@ The forked children's server imports once, before the first is timed.
     python benchmarks/child_processes.py --repeats=7
 """
 
+import resource
 import statistics
 import time
 
@@ -24,18 +25,11 @@ _CAP_MB = 300
 
 
 def train_two_steps() -> float:
-    """A capped test's child: import, build, two steps; its CPU seconds."""
-    import resource
-
-    import keras
-
-    import tfmemsafe
-
-    del tfmemsafe  # Imported as a test's child imports it.
+    """A capped test's child: import (this module's), build, two steps;
+    its CPU seconds."""
     x, y = testing.random_images(64, classes=4)
     model = testing.reference_model("conv_net", (32, 32, 3))
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    keras.backend.clear_session()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 

@@ -13,13 +13,13 @@ A server is started with the child's environment, less the variables
 read after import (`_READ_AFTER_IMPORT`, `TFMEMSAFE_*`) and pytest's
 (which change from test to test), so every variable TensorFlow or Keras
 reads at import is as the child asked; a child whose environment differs
-there gets its own server. What is not
-as in a fresh process: TensorFlow and Keras are imported before the
-target runs (a target that sets their import-time variables itself, or
-reads what they print at import, needs a fresh process; without
-`TF_CPP_MIN_LOG_LEVEL` set, tfmemsafe's import finds TensorFlow imported
-first and leaves its INFO logs shown), and every child of one server
-starts from the same Python hash seed and NumPy random state.
+there gets its own server. What is not as in a fresh process: TensorFlow
+and Keras are imported before the target runs (a target that sets their
+import-time variables itself, or reads what they print at import, needs
+a fresh process; without `TF_CPP_MIN_LOG_LEVEL` set, tfmemsafe's import
+finds TensorFlow imported first and leaves its INFO logs shown), and
+every child of one server starts from the same Python hash seed and
+NumPy random state.
 """
 
 from __future__ import annotations
