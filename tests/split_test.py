@@ -21,7 +21,6 @@ from absl.testing import parameterized
 
 import tfmemsafe
 from tfmemsafe import testing
-from tfmemsafe.recovery import _split
 
 _EXAMPLES = 96
 
@@ -312,45 +311,6 @@ class MirroredStrategyTest(parameterized.TestCase, tf.test.TestCase):
                 event["batch_size_after"], event["batch_size_before"]
             )
         _assert_the_update_of_the_whole_batch(self, result)
-
-
-def shares_under_mirrored_strategies(rows_list):
-    """How `MirroredStrategy` over 2, 3 and 4 CPU devices shares a batch
-    of each of `rows_list` rows whose size is unknown (as bucketed
-    batches' is), read from `experimental_distribute_dataset` (as Keras
-    distributes data): `{replicas: [[rows of each replica], ...]}`."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 4
-    )
-    shares = {}
-    for replicas in (2, 3, 4):
-        strategy = tf.distribute.MirroredStrategy(
-            [f"CPU:{i}" for i in range(replicas)]
-        )
-        shares[replicas] = []
-        for rows in rows_list:
-            batches = tf.data.Dataset.range(rows).batch(rows)
-            (batch,) = strategy.experimental_distribute_dataset(batches)
-            shares[replicas].append(
-                [
-                    int(tf.shape(part)[0])
-                    for part in strategy.experimental_local_results(batch)
-                ]
-            )
-    return shares
-
-
-class SharesTest(tf.test.TestCase):
-    def test_a_batchs_shares_are_tensorflows(self):
-        rows_list = [16, 11, 10, 7, 5, 3]
-        expected = testing.run_in_subprocess(
-            shares_under_mirrored_strategies, args=[rows_list]
-        )
-        for replicas, shares in expected.items():
-            for rows, share in zip(rows_list, shares, strict=True):
-                got = np.diff(_split._shares(rows, int(replicas))).tolist()
-                self.assertEqual(got, share, (rows, replicas))
 
 
 # A token no other example holds (the data's are 1 to 99).

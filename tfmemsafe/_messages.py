@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 
@@ -36,13 +37,14 @@ def error_line(error: BaseException | str) -> str:
     the first line that mentions OOM or RESOURCE_EXHAUSTED wins, then the
     first that mentions memory, leaving out the lines of the traceback
     TensorFlow quotes (`File "train.py", line 9, in fit_in_memory`); else
-    the first line. At most 300 characters.
+    the first line; without Keras' bold. At most 300 characters.
     """
     if isinstance(error, BaseException):
         text = getattr(error, "message", None) or str(error)
         fallback = type(error).__name__
     else:
         text, fallback = error, ""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     said = [line for line in lines if not line.startswith('File "')]
     for words in (("OOM", "RESOURCE_EXHAUSTED"), ("memory",)):

@@ -15,7 +15,7 @@ from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.accumulation import AccumulatingModel
-from tfmemsafe.recovery._held_batches import first_share
+from tfmemsafe.recovery._held_batches import local_shares
 
 OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
 # Reductions that divide a loss by the rows of its batch (times any fixed
@@ -101,7 +101,7 @@ def split_refusal(
             )
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     x = tf.nest.map_structure(
-        lambda t: t[:1], first_share(x, model.distribute_strategy)
+        lambda t: t[:1], local_shares(x, model.distribute_strategy)[0]
     )
     outputs = model(x, training=False)
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):

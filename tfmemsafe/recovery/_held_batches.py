@@ -114,16 +114,23 @@ def sliced(batch, start: int, end: int, strategy=None):
     return strategy.experimental_distribute_values_from_function(on_replica)
 
 
-def first_share(batch, strategy):
-    """`batch`, or the first replica's share of a batch of `tf.distribute`
-    values."""
-
-    def first(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    return tf.nest.map_structure(first, batch)
+def local_shares(batch, strategy) -> list:
+    """Each of this worker's replicas' share of `batch`: its local values
+    of a batch of `tf.distribute` values (Keras distributes every batch
+    under a strategy of several devices a worker), else the batch."""
+    leaves = tf.nest.flatten(batch)
+    if not any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
+        return [batch]
+    local = [
+        None if t is None else strategy.experimental_local_results(t)
+        for t in leaves
+    ]
+    return [
+        tf.nest.pack_sequence_as(
+            batch, [None if parts is None else parts[r] for parts in local]
+        )
+        for r in range(len(strategy.extended.worker_devices))
+    ]
 
 
 def joined(outputs):
@@ -149,26 +156,11 @@ def reduced(strategy, name: str, outputs, reduce: bool = True):
     return tf.nest.map_structure(one, outputs)
 
 
-def per_replica(strategy, outputs) -> list:
-    """Per-replica `outputs` as one structure per replica."""
-    flat = [
-        strategy.experimental_local_results(value)
-        for value in tf.nest.flatten(outputs)
-    ]
-    return [
-        tf.nest.pack_sequence_as(outputs, [parts[r] for parts in flat])
-        for r in range(strategy.num_replicas_in_sync)
-    ]
-
-
 def joined_replicas(strategy, outputs):
     """Per-replica predictions of consecutive micro-batches, joined as
     Keras joins a batch's: each replica's pieces in order, then the
     replicas in order."""
-    shares = [per_replica(strategy, out) for out in outputs]
+    shares = [local_shares(out, strategy) for out in outputs]
     return joined(
-        [
-            joined([share[r] for share in shares])
-            for r in range(strategy.num_replicas_in_sync)
-        ]
+        [joined([share[r] for share in shares]) for r in range(len(shares[0]))]
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmemsafe.recovery._held_batches import first_share
+from tfmemsafe.recovery._held_batches import local_shares
 from tfmemsafe.recovery._held_batches import sliced
 from tfmemsafe.recovery._held_batches import without_optionals
 
@@ -86,7 +86,7 @@ class ModelSteps:
             return
         if not self.model.built:
             x = keras.utils.unpack_x_y_sample_weight(batch)[0]
-            one = sliced(first_share(x, self.strategy), 0, 1)
+            one = sliced(local_shares(x, self.strategy)[0], 0, 1)
             self.model(one, training=False)
         with self.strategy.scope():
             optimizer.build(self.model.trainable_variables)

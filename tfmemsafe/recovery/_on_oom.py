@@ -285,16 +285,12 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         self._end("train")
 
     def on_test_begin(self, logs=None):
-        if not self._phases:
-            self._reset()
         self._begin("test")
 
     def on_test_end(self, logs=None):
         self._end("test")
 
     def on_predict_begin(self, logs=None):
-        if not self._phases:
-            self._reset()
         self._begin("predict")
 
     def on_predict_end(self, logs=None):
@@ -309,15 +305,7 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
         if self._held is not None:
             self._held.record.step = batch
 
-    def on_test_batch_begin(self, batch, logs=None):
-        self._batch_began = True
-        if self._held is not None:
-            self._held.record.step = batch
-
-    def on_predict_batch_begin(self, batch, logs=None):
-        self._batch_began = True
-        if self._held is not None:
-            self._held.record.step = batch
+    on_test_batch_begin = on_predict_batch_begin = on_train_batch_begin
 
     @staticmethod
     def _workers_cannot_agree(model) -> bool:

@@ -8,11 +8,11 @@ with the one line each logs and the messages `OutOfMemoryError` gives.
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 from absl import logging
 
+from tfmemsafe._messages import OOM_ADVICE
+from tfmemsafe._messages import error_line
+from tfmemsafe._messages import mib
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.history import OOMEvent
@@ -52,7 +52,7 @@ class RunRecord:
             batch_size_before=rows,
             batch_size_after=rows,
             accumulation_steps=accumulation_steps,
-            error=first_line(err),
+            error=error_line(err),
             resumed_at_step=self.step,
         )
         self._pending.append(pending)
@@ -95,13 +95,14 @@ class RunRecord:
         )
 
     def grew_back(self, name, before, after, in_use, accumulation_steps):
+        held = "unknown" if in_use is None else mib(in_use)
         event = GrowBackEvent(
             epoch=self.epoch or 0,
             step=self.step or 0,
             batch_size_before=before,
             batch_size_after=after,
             accumulation_steps=accumulation_steps,
-            predicted=f"{_mib(in_use)} in use before the step",
+            predicted=f"{held} in use before the step",
         )
         self.grow_back_events.append(event)
         logging.info(
@@ -121,9 +122,7 @@ def one_example(rows: int, err, floor: int = 1) -> str:
     )
     return (
         f"A batch of {rows} ran out of memory even as micro-batches of "
-        f"{smallest}. Instead, try mixed precision, gradient checkpointing "
-        "(`tfmemsafe.checkpoint_blocks`), a frozen backbone or a smaller "
-        f"model. The error: {first_line(err)}"
+        f"{smallest}. {OOM_ADVICE} The error: {error_line(err)}"
     )
 
 
@@ -135,7 +134,7 @@ def in_the_update(rows: int, err) -> str:
         "so they may be partly updated). The step is not retried. Instead, "
         "restart from the last checkpoint (`keras.callbacks.BackupAndRestore`) "
         f"with a smaller batch or more free memory. The error: "
-        f"{first_line(err)}"
+        f"{error_line(err)}"
     )
 
 
@@ -144,7 +143,7 @@ def not_split(rows: int, refusal: str, err) -> str:
     return (
         f"A batch of {rows} ran out of memory and is not split into "
         f"micro-batches: {refusal}, so their sum would not be the batch's. "
-        f"Instead, use a smaller `batch_size`. The error: {first_line(err)}"
+        f"Instead, use a smaller `batch_size`. The error: {error_line(err)}"
     )
 
 
@@ -152,25 +151,8 @@ def retries_used_up(rows: int, max_retries: int, err) -> str:
     return (
         f"A batch of {rows} ran out of memory, and the "
         f"`max_retries={max_retries}` errors to recover from are used up. "
-        f"The error: {first_line(err)}"
+        f"The error: {error_line(err)}"
     )
-
-
-def first_line(err) -> str:
-    """The line of `err` that says what ran out."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' bold.
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for marker in ("OOM", "out of memory", "allocat"):
-        for line in lines:
-            if marker in line or marker in line.lower():
-                return line
-    return lines[0] if lines else type(err).__name__
-
-
-def _mib(num_bytes) -> str:
-    if num_bytes is None:
-        return "unknown"
-    return f"{np.asarray(num_bytes) / 2**20:.1f} MiB"
 
 
 def given_up(message: str, rows: int) -> OutOfMemoryError:

@@ -42,6 +42,9 @@ from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.recovery._agreed_step import agree
 from tfmemsafe.recovery._agreed_step import update_name
 from tfmemsafe.recovery._agreed_step import updated_variables
+from tfmemsafe.recovery._held_batches import local_shares
+from tfmemsafe.recovery._held_batches import rows_of
+from tfmemsafe.recovery._held_batches import sliced
 
 
 class SplitBatch:
@@ -92,7 +95,7 @@ class SplitBatch:
         gradient sums start at zero. The sums and the compiled steps are
         made at the first split and kept until `release`, so that later
         splits trace nothing again."""
-        self._shares = _replica_shares(batch, self.strategy, self._local)
+        self._shares = local_shares(batch, self.strategy)
         self._sparse = {}
         if self._sums:
             self._zero()
@@ -144,7 +147,7 @@ class SplitBatch:
 
     def share_rows(self) -> list:
         """The rows of each replica's share of the open split's batch."""
-        return [_rows(share) for share in self._shares]
+        return [rows_of(share) for share in self._shares]
 
     def most_pieces(self) -> int:
         """The most pieces the open split's batch is split into: each
@@ -236,10 +239,10 @@ class SplitBatch:
         """The micro-batch of rows `bounds[r]` of each replica `r`'s
         share: under a strategy, on each replica."""
         if self._replicas == 1:
-            return _slice(self._shares[0], *bounds[0])
+            return sliced(self._shares[0], *bounds[0])
         # A worker's replicas are numbered on from the workers' before it.
         return self.strategy.experimental_distribute_values_from_function(
-            lambda context: _slice(
+            lambda context: sliced(
                 self._shares[context.replica_id_in_sync_group % self._local],
                 *bounds[context.replica_id_in_sync_group % self._local],
             )
@@ -343,39 +346,6 @@ def _summed(initial) -> tf.Variable:
     )
 
 
-def _shares(rows: int, replicas: int) -> np.ndarray:
-    """Where each replica's share of a batch of `rows` begins (and the
-    last ends), as TensorFlow shares a batch of unknown size among a
-    `MirroredStrategy`'s replicas: the rows over the replicas rounded up
-    to each in turn, the last ones what is left (10 rows on 4 replicas:
-    3, 3, 3 and 1; 5 rows: 2, 2, 1 and 0)."""
-    each = -(-rows // replicas)
-    sizes = [min(max(rows - r * each, 0), each) for r in range(replicas)]
-    return np.cumsum([0, *sizes])
-
-
-def _replica_shares(batch, strategy, replicas: int) -> list:
-    """Each replica's share of `batch`: its local values when the batch
-    is one of `tf.distribute` values, else the rows TensorFlow gives
-    each replica of a batch of that size."""
-    leaves = tf.nest.flatten(batch)
-    if any(isinstance(t, tf.distribute.DistributedValues) for t in leaves):
-        local = [
-            None if t is None else strategy.experimental_local_results(t)
-            for t in leaves
-        ]
-        return [
-            tf.nest.pack_sequence_as(
-                batch, [None if parts is None else parts[r] for parts in local]
-            )
-            for r in range(replicas)
-        ]
-    if replicas == 1:
-        return [batch]
-    cuts = _shares(_rows(batch), replicas)
-    return [_slice(batch, cuts[r], cuts[r + 1]) for r in range(replicas)]
-
-
 def _any_rows(batch):
     """The spec of `batch` with any number of rows."""
     return tf.nest.map_structure(
@@ -384,15 +354,6 @@ def _any_rows(batch):
         ),
         batch,
     )
-
-
-def _rows(batch) -> int:
-    return int(tf.shape(tf.nest.flatten(batch)[0])[0])
-
-
-def _slice(batch, start: int, end: int):
-    """Rows `start` to `end` of every tensor of `batch`."""
-    return tf.nest.map_structure(lambda tensor: tensor[start:end], batch)
 
 
 def _python(value):
