@@ -386,6 +386,20 @@ class ExactSplitTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertEqual(split.oom_events[0].phase, "prediction")
 
+    def test_predicts_with_a_model_never_compiled(self):
+        x, _ = _features()
+        inputs = keras.Input((6,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+        self.assertAllClose(
+            model.predict(x, batch_size=64, verbose=0),
+            model.predict(
+                x,
+                batch_size=64,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM(micro_batch_size=16)],
+            ),
+        )
+
 
 class FitTest(parameterized.TestCase, tf.test.TestCase):
     """`tfmemsafe.fit` takes `model.fit`'s arguments and data."""
@@ -902,13 +916,14 @@ class _TwoOptimizers(keras.Model):
     """A GAN-shaped model: its own `train_step` makes two updates, each
     with an optimizer of its own."""
 
-    def __init__(self, runs_out_above):
+    def __init__(self, runs_out_above, optimizer=keras.optimizers.SGD):
         super().__init__(name="two_optimizers")
         self.guard = _models.RunsOutAbove(runs_out_above)
         self.first = keras.layers.Dense(4)
         self.second = keras.layers.Dense(1)
-        self.first_optimizer = keras.optimizers.SGD(1e-2)
-        self.second_optimizer = keras.optimizers.SGD(1e-2)
+        # Built at their first `apply`, as in Keras' GAN guide.
+        self.first_optimizer = optimizer(1e-2)
+        self.second_optimizer = optimizer(1e-2)
         self.rows_seen = keras.metrics.Sum(name="rows_seen")
 
     def build(self, input_shape):
@@ -953,6 +968,55 @@ class CustomTrainStepTest(tf.test.TestCase):
         calls = int(model.first_optimizer.iterations)
         self.assertEqual(int(model.second_optimizer.iterations), calls)
         self.assertGreaterEqual(calls, 3 * 2 + 1)
+        # Said as it is: each micro-batch made its own update.
+        self.assertIn("each its own update", str(split.oom_events[0]))
+        self.assertFalse(split.oom_events[0].one_update)
+
+    def test_micro_batches_from_the_start_are_not_its_steps_calls(self):
+        x, _ = _features()
+        y = x[:, :1]
+        model = _TwoOptimizers(10**6)
+        model.build((None, 6))
+        model.compile()
+        split = tfmemsafe.SplitBatchOnOOM(micro_batch_size=16)
+        with self.assertLogs(level="WARNING") as logs:
+            model.fit(
+                x, y, batch_size=64, verbose=0, shuffle=False, callbacks=[split]
+            )
+        # Whole batches: one update of each optimizer a batch.
+        self.assertEqual(int(model.first_optimizer.iterations), 4)
+        self.assertEqual(int(model.second_optimizer.iterations), 4)
+        self.assertRegex("\n".join(logs.output), "its own `train_step`")
+
+    def test_optimizers_its_own_step_builds_train_as_without(self):
+        x, _ = _features()
+        y = x[:, :1]
+
+        def fitted(callbacks):
+            keras.utils.set_random_seed(1)
+            model = _TwoOptimizers(10**6, keras.optimizers.Adam)
+            model.compile()
+            model.fit(
+                x,
+                y,
+                batch_size=64,
+                verbose=0,
+                shuffle=False,
+                callbacks=callbacks,
+            )
+            return model
+
+        reference = fitted([])
+        model = fitted([tfmemsafe.SplitBatchOnOOM()])
+        self.assertEqual(int(model.first_optimizer.iterations), 4)
+        self.assertAllClose(reference.get_weights(), model.get_weights())
+        # And where the first step, which builds them, runs out.
+        model = _TwoOptimizers(20, keras.optimizers.Adam)
+        model.compile()
+        split = tfmemsafe.SplitBatchOnOOM()
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[split])
+        self.assertNotEmpty(split.oom_events)
+        self.assertGreater(int(model.first_optimizer.iterations), 4)
 
 
 class MirroredStrategyTest(tf.test.TestCase):

@@ -104,6 +104,7 @@ class StepGuard:
             if not tf.inside_function() or not present:
                 guard._touched.assign(True)
                 return original(gradients, *args, **kwargs)
+            _build_before_the_barrier(owner, args, kwargs)
             # One op over every gradient: nothing after it starts before
             # the whole backward pass is done.
             flat = tf.identity_n([_dense(g) for g in present])
@@ -362,3 +363,21 @@ def _like(original, tensor):
     if isinstance(original, tf.IndexedSlices):
         return tf.IndexedSlices(tensor, original.indices, original.dense_shape)
     return tensor
+
+
+def _build_before_the_barrier(owner, args, kwargs) -> None:
+    """Builds an optimizer that its first `apply` would build (one a
+    model's own `train_step` holds, built lazily as in Keras' GAN guide)
+    as Keras' `apply` builds it, before the barrier: under the barrier's
+    control dependencies its slots' initial values would depend on the
+    step's gradients, and TensorFlow cannot lift such a variable out of
+    the traced step."""
+    variables = kwargs.get("trainable_variables", args[0] if args else None)
+    if (
+        not isinstance(owner, keras.optimizers.Optimizer)
+        or owner.built
+        or variables is None
+    ):
+        return
+    with keras.name_scope(owner.name, caller=owner):
+        owner.build(list(variables))

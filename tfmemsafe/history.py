@@ -39,6 +39,9 @@ class OOMEvent:
             that ran out.
         split_into: int or `None`. The micro-batches the batch ran as
             next (accumulated into one update, for training).
+        one_update: bool. Whether a training batch's micro-batches make
+            one update: `False` for a model with its own `train_step`,
+            each of whose micro-batches makes its own.
     """
 
     epoch: int
@@ -50,6 +53,7 @@ class OOMEvent:
     error: str
     resumed_at_step: int | None = None
     split_into: int | None = None
+    one_update: bool = True
 
     def __str__(self) -> str:
         accumulation = _accumulation_text(self.accumulation_steps)
@@ -57,7 +61,11 @@ class OOMEvent:
         if self.phase == "preflight":
             where = "pre-flight check"
         if self.split_into:
-            update = " for one update" if self.phase == "training" else ""
+            update = ""
+            if self.phase == "training" and self.one_update:
+                update = " for one update"
+            elif self.phase == "training":
+                update = ", each its own update"
             return (
                 f"epoch {self.epoch + 1}, {where}: its batch split into "
                 f"{self.split_into} micro-batches{update}, batch "

@@ -241,7 +241,11 @@ def _refusal(model, source, split_batch_norm) -> str | None:
         with model.distribute_strategy.scope():
             model(source.sample_inputs(), training=False)
     return recovery.split_refusal(
-        model, (source.sample_inputs(),), "train", split_batch_norm
+        model,
+        (source.sample_inputs(),),
+        "train",
+        split_batch_norm,
+        from_the_start=True,
     )
 
 

@@ -13,10 +13,12 @@ the agreement of every worker on a multi-worker job (`_agreed_step`).
 docs/architecture.md draws them.
 """
 
+from tfmemsafe.recovery._exact_split import after_an_oom
 from tfmemsafe.recovery._exact_split import split_refusal
 from tfmemsafe.recovery._on_oom import SplitBatchOnOOM
 
 __all__ = [
     "SplitBatchOnOOM",
+    "after_an_oom",
     "split_refusal",
 ]

@@ -18,20 +18,32 @@ from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._held_batches import local_shares
 
 OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
+# Why a model's own `train_step` is not split from the first step (after
+# an out-of-memory error it is: as calls of that step on the micro-batches).
+OWN_STEP = (
+    "the model has its own `train_step`, so each micro-batch would make an "
+    "update of its own"
+)
 # Reductions that divide a loss by the rows of its batch (times any fixed
 # axes), so that micro-batches weighted by their rows add up to it.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 def split_refusal(
-    model, batch, name: str = "train", split_batch_norm: bool = False
+    model,
+    batch,
+    name: str = "train",
+    split_batch_norm: bool = False,
+    from_the_start: bool = False,
 ) -> str | None:
     """Why a batch of `model` cannot be split into micro-batches exactly,
     or `None` when it can.
 
-    A model with its own `train_step` is split as calls of that step on
-    the pieces (see docs/oom-recovery.md), except under a multi-worker
-    strategy, so only Keras' own steps are checked: each loss must
+    A batch of a model with its own `train_step` that ran out is split as
+    calls of that step on the pieces (see docs/oom-recovery.md), except
+    under a multi-worker strategy; from the first step
+    (`from_the_start`), it is not split (`OWN_STEP`). Only Keras' own
+    steps are checked further: each loss must
     divide by the batch's rows (reduction
     `"sum_over_batch_size"`, the default, or `"mean"`; or
     `"mean_with_sample_weight"` on a batch without sample weights), the
@@ -51,7 +63,7 @@ def split_refusal(
                 "the model has its own `train_step`, whose update cannot "
                 "wait for every worker of a multi-worker job to agree"
             )
-        return None
+        return OWN_STEP if from_the_start else None
     if name == "train" and (
         model.run_eagerly or tf.config.functions_run_eagerly()
     ):
@@ -107,6 +119,17 @@ def split_refusal(
     if any(_compat.has_keras_mask(o) for o in tf.nest.flatten(outputs)):
         return "the model's outputs carry a mask"
     return None
+
+
+def after_an_oom(refusal: str) -> str:
+    """What happens to a batch that runs out, of a model whose batches
+    are not split from the start for `refusal`."""
+    if refusal == OWN_STEP:
+        return (
+            "one that runs out of memory runs again as calls of that step "
+            "on micro-batches"
+        )
+    return "one that runs out of memory raises tfmemsafe.OutOfMemoryError"
 
 
 class SplitRefusals:

@@ -25,6 +25,7 @@ from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.recovery._agreed_step import AgreedStep
 from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._agreed_step import agreed_sizes
+from tfmemsafe.recovery._exact_split import OWN_STEP
 from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import SplitRefusals
 from tfmemsafe.recovery._held_batches import example_shape
@@ -90,12 +91,10 @@ class HeldSteps:
         # memory than training, and a batch of length buckets' longest
         # examples more a row than one of the shortest.
         self._sizes = {}
-        self._new_size = lambda name: MicroBatchSize(
-            grow_back_after,
-            limit,
-            rows=micro_batch_size if name == "train" else None,
-            floor=min_micro_batch_size,
+        self._new_size = lambda rows: MicroBatchSize(
+            grow_back_after, limit, rows=rows, floor=min_micro_batch_size
         )
+        self._micro_batch_size = micro_batch_size  # Training's, at first.
         self._size = None  # The current batch's.
         # Under a multi-worker strategy every worker takes each decision
         # alike, and a training step's error reaches every worker before
@@ -148,7 +147,12 @@ class HeldSteps:
         `MicroBatchSize` says; again in smaller ones after an OOM."""
         key = (name, example_shape(batch))
         if key not in self._sizes:
-            self._sizes[key] = self._new_size(name)
+            rows = self._micro_batch_size if name == "train" else None
+            if rows is not None and not self._splits_update():
+                # Not split from the start: not one update (`OWN_STEP`).
+                self.record.not_split_from_the_start(name, rows, OWN_STEP)
+                rows = None
+            self._sizes[key] = self._new_size(rows)
         size = self._size = self._sizes[key]
         rows = rows_of(batch)
         in_use = self.readings.in_use() if size.grow_back_due() else None
@@ -394,6 +398,7 @@ class HeldSteps:
             smaller,
             self._size.probe_rows(),
             accumulation_steps_of(self.model),
+            self._splits_update(),
         )
 
     def _splits_update(self) -> bool:

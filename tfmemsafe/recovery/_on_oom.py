@@ -56,10 +56,10 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     outputs with a mask, an overridden `compute_loss`, `run_eagerly=True`,
     and a `BatchNormalization` that trains (it normalizes each batch by
     the batch's own statistics) unless `split_batch_norm=True`.
-    A model with its own `train_step` (a GAN) is split as calls of that
-    step on the micro-batches, each making its own update, as halving the
-    batch would. Evaluation sums its metrics over the micro-batches;
-    prediction joins their outputs.
+    A batch of a model with its own `train_step` (a GAN) that runs out is
+    split as calls of that step on the micro-batches, each making its own
+    update, as halving the batch would. Evaluation sums its metrics over
+    the micro-batches; prediction joins their outputs.
 
     Under a `MultiWorkerMirroredStrategy` it splits training only (Keras'
     own `train_step` or `AccumulatingModel`'s): each worker's part of a
@@ -87,7 +87,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             each replica trains its share of each micro-batch): a batch
             known not to fit (`tfmemsafe.fit`'s pre-flight estimate and a
             `tfmemsafe.MemoryPlan` set it) is split from the start, and
-            grows back as above. Defaults to `None`: whole batches until
+            grows back as above; where that is not exact (the refusals
+            above, or a model's own `train_step`), whole batches are
+            trained, with a warning. Defaults to `None`: whole batches until
             one runs out.
         min_micro_batch_size: int. The fewest rows a micro-batch may
             have, counted as `micro_batch_size` counts them, and at most
@@ -99,8 +101,8 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
 
     Attributes:
         oom_events: list of `tfmemsafe.OOMEvent`, one per error recovered
-            from (`split_into` the micro-batches the batch ran again as).
-        grow_back_events: list of `tfmemsafe.GrowBackEvent`.
+            from in the last `fit`, `evaluate` or `predict` call.
+        grow_back_events: list of `tfmemsafe.GrowBackEvent`, as those.
 
     Example:
     >>> model.fit(
@@ -204,7 +206,7 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
             )
         self.oom_events = []
         self.grow_back_events = []
-        training = model.optimizer is not None
+        training = getattr(model, "optimizer", None) is not None
         self._guard = StepGuard(
             model,
             optimizers_of(model) if training else [],

@@ -16,6 +16,7 @@ from tfmemsafe._messages import mib
 from tfmemsafe.errors import OutOfMemoryError
 from tfmemsafe.history import GrowBackEvent
 from tfmemsafe.history import OOMEvent
+from tfmemsafe.recovery._exact_split import after_an_oom
 
 
 class RunRecord:
@@ -42,8 +43,12 @@ class RunRecord:
             return "validation" if self.in_fit else "evaluation"
         return "prediction"
 
-    def ran_out(self, name, err, rows, smaller, probe, accumulation_steps):
-        """Logs an error recovered from, whose event waits for `settle`."""
+    def ran_out(
+        self, name, err, rows, smaller, probe, accumulation_steps, one_update
+    ):
+        """Logs an error recovered from, whose event waits for `settle`;
+        `one_update`: whether a training batch's micro-batches make one
+        update (not with a model's own `train_step`)."""
         self.errors += 1
         pending = dict(
             epoch=self.epoch or 0,
@@ -54,6 +59,7 @@ class RunRecord:
             accumulation_steps=accumulation_steps,
             error=error_line(err),
             resumed_at_step=self.step,
+            one_update=one_update,
         )
         self._pending.append(pending)
         logging.warning(
@@ -66,7 +72,7 @@ class RunRecord:
             f"{smaller} rows"
             if probe is None
             else f"a size measured on a first one of {probe} rows",
-            ", for one update" if name == "train" else "",
+            _updates(name, one_update),
         )
 
     def settle(self, pieces: int) -> None:
@@ -78,7 +84,7 @@ class RunRecord:
 
     def not_split_from_the_start(self, name, rows: int, refusal: str):
         """Logs, once a phase, that micro-batches asked for from the start
-        are not used: the batches cannot be split exactly."""
+        are not used: the batches cannot be split exactly (`refusal`)."""
         if name in self._whole:
             return
         self._whole.add(name)
@@ -87,11 +93,11 @@ class RunRecord:
             "(`micro_batch_size`, which tfmemsafe.fit's pre-flight check and "
             "a MemoryPlan set), and this model's batches are not split: "
             "%s, so their sum would not be the batch's. Whole batches are "
-            "trained; one that runs out of memory raises "
-            "tfmemsafe.OutOfMemoryError.",
+            "trained; %s.",
             rows,
             self.phase(name),
             refusal,
+            after_an_oom(refusal),
         )
 
     def grew_back(self, name, before, after, in_use, accumulation_steps):
@@ -112,6 +118,12 @@ class RunRecord:
             after,
             event.predicted,
         )
+
+
+def _updates(name: str, one_update: bool) -> str:
+    if name != "train":
+        return ""
+    return ", for one update" if one_update else ", each its own update"
 
 
 def one_example(rows: int, err, floor: int = 1) -> str:

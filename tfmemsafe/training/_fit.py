@@ -335,16 +335,20 @@ def _preflight(model, data, rows, split, history, epoch, verbose):
     if not halvings:
         return None
     refusal = recovery.split_refusal(
-        model, (source.sample_inputs(),), "train", split.split_batch_norm
+        model,
+        (source.sample_inputs(),),
+        "train",
+        split.split_batch_norm,
+        from_the_start=True,
     )
     if refusal is not None:
         logging.warning(
             "tfmemsafe.fit: pre-flight check: batches of %d are predicted "
-            "not to fit (%s), and are not split: %s. One that runs out of "
-            "memory raises tfmemsafe.OutOfMemoryError.",
+            "not to fit (%s), and are not split: %s; %s.",
             rows,
             predicted,
             refusal,
+            recovery.after_an_oom(refusal),
         )
         return None
     micro = max(floor, rows >> halvings)
