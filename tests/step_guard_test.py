@@ -237,6 +237,27 @@ class SmallStateTest(tf.test.TestCase):
         finally:
             guard.close()
 
+    def test_guards_of_models_alike_share_one_traced_copy(self):
+        # A trace per run (a model in a loop, a fold) would be traced
+        # again for each, and TensorFlow warns of retracing after five.
+        x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+        counts = []
+        for _ in range(4):
+            model = _model()
+            model.compile("sgd", "mse", metrics=["mae"])
+            guard = _step_guard.StepGuard(model, [model.optimizer], [])
+            try:
+                model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+                guard.save_small_state()
+                model.train_on_batch(x, y)
+                guard.restore_small_state()
+            finally:
+                guard.close()
+            counts.append(
+                _step_guard._assign_each.experimental_get_tracing_count()
+            )
+        self.assertEqual(counts[1:], [counts[0]] * 3)
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -282,28 +282,12 @@ class StepGuard:
                         )
                     )
         self._copies = copies
-        # Loops over Python lists: nothing for autograph to convert, and
-        # converting them took most of their first call (60 ms).
-        self._save = tf.function(self._save_eagerly, autograph=False)
-        self._restore = tf.function(self._restore_eagerly, autograph=False)
-
-    def _save_eagerly(self):
-        for copy, variable in zip(self._copies, self._small, strict=True):
-            copy.assign(variable)
-        self._touched.assign(False)
-
-    def _restore_eagerly(self):
-        for copy, variable in zip(self._copies, self._small, strict=True):
-            variable.assign(copy)
 
     def save_small_state(self) -> None:
         """Copies the small state and clears the marker; before a step."""
         if len(self.model.metrics_variables) != self._metric_count:
             self._copy_small_state()
-        if self._small:
-            self._save()
-        else:
-            self._touched.assign(False)
+        _assign_each([*self._copies, self._touched], [*self._small, False])
 
     def restore_small_state(self) -> None:
         """Puts the small state back as `save_small_state` found it.
@@ -312,7 +296,7 @@ class StepGuard:
         compiled metrics at the first step) had no value before it: it is
         reset to its start."""
         if self._small:
-            self._restore()
+            _assign_each(self._small, self._copies)
         if len(self.model.metrics_variables) != self._metric_count:
             copied = {id(part) for part in self._small}
             for metric in self.model.metrics:
@@ -323,6 +307,16 @@ class StepGuard:
     def touched(self) -> bool:
         """Whether an update of the failed step may have begun."""
         return bool(self._touched.numpy())
+
+
+# One function for every guard: its variables are its arguments, so a
+# guard of another run (another model) reuses its trace, where a function
+# of each guard's own would be traced again for every run.
+@tf.function(autograph=False, reduce_retracing=True)
+def _assign_each(targets, values):
+    """Assigns each of `values` to its target, in one call."""
+    for target, value in zip(targets, values, strict=True):
+        target.assign(value)
 
 
 def _with_inner(optimizers) -> list:
