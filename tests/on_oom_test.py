@@ -411,6 +411,23 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLen(history.history["loss"], 2)
         self.assertEqual(history.batch_size, 64)
 
+    def test_evaluate_and_predict_take_their_models_arguments(self):
+        x, y = _features()
+        model = _classifier()
+        weights = np.linspace(0.5, 1.5, len(y)).astype("float32")
+        self.assertAllClose(
+            tfmemsafe.evaluate(model, x, y, 64, 0, weights),
+            model.evaluate(x, y, 64, 0, weights),
+        )
+        self.assertAllClose(
+            tfmemsafe.evaluate(model, (x, y), batch_size=64, verbose=0),
+            model.evaluate(x, y, 64, 0),
+        )
+        self.assertAllClose(
+            tfmemsafe.predict(model, x, 64, 0, steps=2),
+            model.predict(x, 64, 0, steps=2),
+        )
+
     @parameterized.named_parameters(
         ("py_dataset", "py_dataset"), ("generator", "generator")
     )

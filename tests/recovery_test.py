@@ -891,6 +891,15 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         with self.assertRaisesRegex(TypeError, r"^`x` must be arrays"):
             tfmemsafe.fit(_models.dense_model(), data)
 
+    def test_lists_of_numbers_are_refused_naming_their_argument(self):
+        x, y = _models.table(8)
+        model = _models.dense_model()
+        for name, data in (("x", (x.tolist(), y)), ("y", (x, y.tolist()))):
+            with self.assertRaisesRegex(
+                TypeError, rf"^`{name}` must be arrays.*of type list$"
+            ):
+                tfmemsafe.fit(model, *data, verbose=0)
+
     @parameterized.named_parameters(
         ("min_batch_size", {"min_batch_size": 0}, "min_batch_size"),
         ("max_retries", {"max_retries": -1}, "max_retries"),

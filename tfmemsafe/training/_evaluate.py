@@ -20,16 +20,18 @@ from tfmemsafe.recovery import SplitBatchOnOOM
 
 def evaluate(
     model: keras.Model,
-    data,
-    *,
+    x=None,
+    y=None,
     batch_size: int | None = None,
+    verbose="auto",
+    sample_weight=None,
     steps: int | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    return_dict: bool = False,
+    *,
     min_batch_size: int = 1,
     max_retries: int | None = None,
     memory_estimate: bool = True,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    verbose="auto",
-    return_dict: bool = False,
 ):
     """Evaluates a compiled model, splitting a batch that runs out of
     memory.
@@ -39,21 +41,28 @@ def evaluate(
     batch's, and the evaluation goes on; the metrics cover the whole data
     once.
 
+    Takes `model.evaluate`'s arguments in its order, and the data
+    `tfmemsafe.fit` takes (a tuple `(x, y[, sample_weight])` as `x`
+    included).
+
     Args:
         model: A compiled `keras.Model`.
-        data: Data of any kind `tfmemsafe.fit` accepts.
+        x: The inputs, or the whole data: of any kind `tfmemsafe.fit`
+            takes.
+        y: The targets, with arrays or tensors as `x`.
         batch_size: int or `None`. The batch size to start at. `None`
             means the batch size of a batched dataset, else 32.
+        verbose: `"auto"`, 0, 1 or 2.
+        sample_weight: The samples' weights, with arrays as `x`.
         steps: int or `None`. As in `model.evaluate`.
+        callbacks: list of `keras.callbacks.Callback`.
+        return_dict: bool. Whether to return `{name: value}`.
         min_batch_size: int. The fewest rows of a micro-batch. Defaults
             to 1.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
         memory_estimate: bool. Kept so that calls written for earlier
             versions run; micro-batches are sized by measurement.
-        callbacks: list of `keras.callbacks.Callback`.
-        verbose: `"auto"`, 0, 1 or 2.
-        return_dict: bool. Whether to return `{name: value}`.
 
     Returns:
         What `model.evaluate` returns.
@@ -63,17 +72,16 @@ def evaluate(
             out, or `max_retries` is used up.
 
     Example:
-    >>> tfmemsafe.evaluate(model, (x, y), batch_size=4096, return_dict=True)
+    >>> tfmemsafe.evaluate(model, x, y, batch_size=4096, return_dict=True)
     {'loss': 0.31}
     """
     _checks.compiled_model(model, "evaluate")
     _checks.boolean("memory_estimate", memory_estimate)
     split = _split_for(batch_size, min_batch_size, max_retries)
-    check_kind(data, "data")
-    x, y, sample_weight = unpacked(data)
-    x, batch_size, _ = keras_data(
-        x, batch_size, model.distribute_strategy, "data"
-    )
+    check_kind(x, "x")
+    check_kind(y, "y")
+    x, y, sample_weight = unpacked(x, y, sample_weight)
+    x, batch_size, _ = keras_data(x, batch_size, model.distribute_strategy)
     # Without the batch Keras reads and drops under a strategy: see
     # docs/oom-recovery.md.
     with without_sample_batch(model), chained_cause():
@@ -91,14 +99,15 @@ def evaluate(
 
 def predict(
     model: keras.Model,
-    data,
-    *,
+    x,
     batch_size: int | None = None,
+    verbose="auto",
+    steps: int | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    *,
     min_batch_size: int = 1,
     max_retries: int | None = None,
     memory_estimate: bool = True,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    verbose="auto",
 ):
     """Predicts with a model, splitting a batch that runs out of memory.
 
@@ -106,22 +115,25 @@ def predict(
     out is predicted again as micro-batches whose outputs are joined in
     order; every sample is returned once, in order.
 
+    Takes `model.predict`'s arguments in its order.
+
     Args:
         model: A `keras.Model`.
-        data: The inputs: an array (or a dict or list of arrays, for
+        x: The inputs: an array (or a dict or list of arrays, for
             several inputs), a tf.data.Dataset (unbatched ones are batched
             at `batch_size`), a callable `batch_size -> tf.data.Dataset`,
             a `keras.utils.PyDataset` or a generator.
         batch_size: int or `None`. The batch size to start at. `None`
             means the batch size of a batched dataset, else 32.
+        verbose: `"auto"`, 0, 1 or 2.
+        steps: int or `None`. As in `model.predict`.
+        callbacks: list of `keras.callbacks.Callback`.
         min_batch_size: int. The fewest rows of a micro-batch. Defaults
             to 1.
         max_retries: int or `None`. How many out-of-memory errors to
             recover from; `None` for no limit but `min_batch_size`.
         memory_estimate: bool. Kept so that calls written for earlier
             versions run; micro-batches are sized by measurement.
-        callbacks: list of `keras.callbacks.Callback`.
-        verbose: `"auto"`, 0, 1 or 2.
 
     Returns:
         NumPy arrays, structured as the model's outputs.
@@ -137,16 +149,15 @@ def predict(
     _checks.model(model)
     _checks.boolean("memory_estimate", memory_estimate)
     split = _split_for(batch_size, min_batch_size, max_retries)
-    check_kind(data, "data")
-    x, batch_size, _ = keras_data(
-        data, batch_size, model.distribute_strategy, "data"
-    )
+    check_kind(x, "x")
+    x, batch_size, _ = keras_data(x, batch_size, model.distribute_strategy)
     # Without the batch Keras reads and drops under a strategy: see
     # docs/oom-recovery.md.
     with without_sample_batch(model), chained_cause():
         return model.predict(
             x,
             batch_size=batch_size,
+            steps=steps,
             callbacks=[*monitors_first(_checks.callbacks(callbacks)), split],
             verbose=verbose,
         )

@@ -238,6 +238,7 @@ def fit(
         max_retries=max_retries,
     )
     check_kind(x, "x")
+    check_kind(y, "y")
     check_kind(validation_data, "validation_data")
     x, y, sample_weight = unpacked(x, y, sample_weight)
     strategy = model.distribute_strategy
