@@ -167,6 +167,18 @@ class CallbackArgumentTest(tf.test.TestCase):
             )
 
 
+class ChoiceArgumentTest(tf.test.TestCase):
+    def test_plan_refuses_a_checkpointing_of_no_kind_naming_each_kind(self):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^`checkpointing` must be one of True, False, 'auto'\. "
+            r"Received: checkpointing='yes'$",
+        ):
+            tfmemsafe.plan(model, np.ones((8, 4)), checkpointing="yes")
+
+
 class _Counter(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()

@@ -94,12 +94,22 @@ def boolean(name: str, value) -> bool:
     return value
 
 
+def one_of(name: str, value, allowed) -> None:
+    """Refuses a `value` that is not one of `allowed`.
+
+    Raises:
+        ValueError: Naming `name`, what it may be and what it was.
+    """
+    if value not in allowed:
+        raise ValueError(
+            f"`{name}` must be one of {', '.join(map(repr, allowed))}. "
+            f"Received: {name}={value!r}"
+        )
+
+
 def verbose(value) -> None:
     """`verbose` as `model.fit` takes it: `"auto"`, 0, 1 or 2."""
-    if value not in ("auto", 0, 1, 2):
-        raise ValueError(
-            f"`verbose` must be 'auto', 0, 1 or 2. Received: verbose={value!r}"
-        )
+    one_of("verbose", value, ("auto", 0, 1, 2))
 
 
 def model(value, name: str = "model") -> keras.Model:

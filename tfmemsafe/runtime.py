@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmemsafe import _checks
 from tfmemsafe import _compat
 from tfmemsafe import _tensorflow_logs
 from tfmemsafe import memory
@@ -146,11 +147,7 @@ def configure(
             "`cpu_bfc_allocator` must be True or False. "
             f"Received: cpu_bfc_allocator={cpu_bfc_allocator!r}"
         )
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"`precision` must be one of {', '.join(map(repr, PRECISIONS))}. "
-            f"Received: precision={precision!r}"
-        )
+    _checks.one_of("precision", precision, PRECISIONS)
     gpus = tf.config.list_physical_devices("GPU")
     warnings = []
     grown = _set_memory_growth(gpus, warnings) if memory_growth else ()

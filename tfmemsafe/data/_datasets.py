@@ -14,6 +14,7 @@ import urllib.parse
 import numpy as np
 import tensorflow as tf
 
+from tfmemsafe import _checks
 from tfmemsafe.errors import DatasetUnavailableError
 
 _CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
@@ -124,10 +125,7 @@ def digits(
     >>> int(train.cardinality())
     1437
     """
-    if split not in _SPLITS:
-        raise ValueError(
-            f"`split` must be one of {_SPLITS}. Received: split={split!r}"
-        )
+    _checks.one_of("split", split, _SPLITS)
     if not 0 < test_fraction < 1:
         raise ValueError(
             "`test_fraction` must be between 0 and 1. "

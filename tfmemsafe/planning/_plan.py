@@ -154,11 +154,7 @@ def plan(
     started = time.perf_counter()
     _checks.compiled_model(model, "plan")
     steps = _checks.integer("steps", steps, 1)
-    if checkpointing not in (True, False, "auto"):
-        raise ValueError(
-            "`checkpointing` must be True, False or 'auto'. Received: "
-            f"checkpointing={checkpointing!r}"
-        )
+    _checks.one_of("checkpointing", checkpointing, (True, False, "auto"))
     _checks.verbose(verbose)
     check_kind(x, "x")
     if is_iterable_only(x):
@@ -237,15 +233,12 @@ def plan(
 def _refusal(model, source, split_batch_norm) -> str | None:
     """Why the batches cannot be split exactly, or `None` (the model
     built first, so that its layers and variables exist)."""
+    batch = (source.sample_inputs(),)
     if not model.built:
         with model.distribute_strategy.scope():
-            model(source.sample_inputs(), training=False)
+            model(batch[0], training=False)
     return recovery.split_refusal(
-        model,
-        (source.sample_inputs(),),
-        "train",
-        split_batch_norm,
-        from_the_start=True,
+        model, batch, split_batch_norm=split_batch_norm, from_the_start=True
     )
 
 

@@ -95,6 +95,7 @@ class HeldSteps:
             grow_back_after, limit, rows=rows, floor=min_micro_batch_size
         )
         self._micro_batch_size = micro_batch_size  # Training's, at first.
+        self._one_update = type(model).train_step in OWN_TRAIN_STEPS
         self._size = None  # The current batch's.
         # Under a multi-worker strategy every worker takes each decision
         # alike, and a training step's error reaches every worker before
@@ -148,8 +149,7 @@ class HeldSteps:
         key = (name, example_shape(batch))
         if key not in self._sizes:
             rows = self._micro_batch_size if name == "train" else None
-            if rows is not None and not self._splits_update():
-                # Not split from the start: not one update (`OWN_STEP`).
+            if rows is not None and not self._one_update:
                 self.record.not_split_from_the_start(name, rows, OWN_STEP)
                 rows = None
             self._sizes[key] = self._new_size(rows)
@@ -206,7 +206,7 @@ class HeldSteps:
         try:
             if piece >= rows:
                 result = self._measured_step(name, batch, rows)
-            elif name == "train" and self._splits_update():
+            elif name == "train" and self._one_update:
                 result = self._split_train(batch, rows, piece)
             else:
                 result = self._in_pieces(name, batch, rows, piece)
@@ -334,14 +334,12 @@ class HeldSteps:
         return results
 
     def _measured_step(self, name: str, batch, rows: int):
-        if self._agreed_step is not None and name == "train":
-            step = self._agreed_step
-            return self._measured(name, rows, lambda: step(iter([batch])))
-        return self._measured(
-            name,
-            rows,
-            lambda: reduced(self.strategy, name, self._steps(name, batch)),
-        )
+        def run():
+            if self._agreed_step is not None and name == "train":
+                return self._agreed_step(iter([batch]))
+            return reduced(self.strategy, name, self._steps(name, batch))
+
+        return self._measured(name, rows, run)
 
     def _agreed_rows(self, rows: int | None) -> int | None:
         """`rows`, the fewest any worker asked for (see `agreed_rows`)."""
@@ -373,7 +371,7 @@ class HeldSteps:
         if refusal is not None:
             raise given_up(not_split(total, refusal, err), total) from err
         in_use = self.readings.in_use()
-        if in_use is not None and name == "train" and self._splits_update():
+        if in_use is not None and name == "train" and self._one_update:
             # The split's gradient sums, which the next attempt makes.
             in_use += self._split.sum_bytes()
         if (
@@ -398,8 +396,5 @@ class HeldSteps:
             smaller,
             self._size.probe_rows(),
             accumulation_steps_of(self.model),
-            self._splits_update(),
+            self._one_update,
         )
-
-    def _splits_update(self) -> bool:
-        return type(self.model).train_step in OWN_TRAIN_STEPS

@@ -73,11 +73,7 @@ def reference_model(
     >>> model.output_shape
     (None, 4)
     """
-    if name not in _DEFAULT_SHAPES:
-        raise ValueError(
-            f"`name` must be one of {', '.join(_DEFAULT_SHAPES)}. Received: "
-            f"name={name!r}"
-        )
+    _checks.one_of("name", name, tuple(_DEFAULT_SHAPES))
     shape = tuple(input_shape or _DEFAULT_SHAPES[name])
     if name == "transformer" and (shape[0] or 0) > _LONGEST:
         raise ValueError(

@@ -147,11 +147,7 @@ def build_frozen_mobilenet_v2(
     """
     height, width = _check_input_shape(input_shape, resize_to)
     _checks.integer("num_classes", num_classes, 2)
-    if alpha not in ALPHAS:
-        raise ValueError(
-            f"`alpha` must be one of {', '.join(map(str, ALPHAS))}. "
-            f"Received: alpha={alpha!r}"
-        )
+    _checks.one_of("alpha", alpha, ALPHAS)
     head_units = _check_head_units(head_units)
     _checks.fraction("dropout", dropout, what="a float")
     _checks.integer("accumulation_steps", accumulation_steps)
