@@ -432,6 +432,25 @@ class AccumulationTest(parameterized.TestCase, tf.test.TestCase):
         with self.assertRaisesRegex(TypeError, "`model` must be a keras"):
             tfmemsafe.with_gradient_accumulation(keras.layers.Dense(3), 2)
 
+    def test_with_gradient_accumulation_refuses_a_step_of_its_own(self):
+        class OwnStep(keras.Model):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        class OwnLoss(keras.Sequential):
+            def compute_loss(self, *args, **kwargs):
+                return 1000 * super().compute_loss(*args, **kwargs)
+
+        inputs = keras.Input((4,))
+        for model, name in (
+            (OwnStep(inputs, keras.layers.Dense(2)(inputs)), "train_step"),
+            (OwnLoss([keras.Input((4,)), keras.layers.Dense(2)]), "loss"),
+        ):
+            with self.assertRaisesRegex(
+                ValueError, rf"own `\w*{name}` would not run.*Received: a"
+            ):
+                tfmemsafe.with_gradient_accumulation(model, 2)
+
     @parameterized.named_parameters(
         ("functional", lambda: _functional(AccumulatingModel)),
         (

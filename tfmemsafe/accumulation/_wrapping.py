@@ -81,6 +81,10 @@ def with_gradient_accumulation(
     Returns:
         An `AccumulatingModel`.
 
+    Raises:
+        ValueError: The model's class has its own `train_step`,
+            `test_step` or `compute_loss`, which the result would not run.
+
     Example:
 
     ```python
@@ -110,6 +114,21 @@ def with_gradient_accumulation(
         if accumulation_steps is not None:
             model.accumulation_steps = accumulation_steps
         return model
+    own = [
+        name
+        for name in ("train_step", "test_step", "compute_loss")
+        if getattr(type(model), name) is not getattr(keras.Model, name)
+    ]
+    if own:
+        raise ValueError(
+            "`with_gradient_accumulation` trains with `AccumulatingModel`'s "
+            f"own steps, so the model's own `{own[0]}` would not run. "
+            "Instead, accumulate in that step with "
+            "`tfmemsafe.GradientAccumulator` (docs/gradient-accumulation.md), "
+            f"or make the model's class derive from `AccumulatingModel`. "
+            f"Received: a {type(model).__name__} overriding "
+            f"{', '.join(own)}"
+        )
     if accumulation_steps is None:
         accumulation_steps = 1
     accumulation_steps = _checks.integer(
