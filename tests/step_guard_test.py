@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+import tfmemsafe
 from tfmemsafe import _step_guard
 
 _ASSIGNMENTS = (
@@ -257,6 +258,37 @@ class SmallStateTest(tf.test.TestCase):
                 _step_guard._assign_each.experimental_get_tracing_count()
             )
         self.assertEqual(counts[1:], [counts[0]] * 3)
+
+
+def autograph_warnings_of_an_accumulating_split() -> list:
+    """What TensorFlow's logger says of AutoGraph while an
+    `AccumulatingModel` trains in micro-batches (the guard's marker is
+    traced inside its step)."""
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    tf.get_logger().addHandler(handler)
+    model = tfmemsafe.with_gradient_accumulation(_model(), 2)
+    model.compile("sgd", "mse")
+    x, y = np.ones((64, 4), "float32"), np.ones((64, 2), "float32")
+    model.fit(
+        x,
+        y,
+        batch_size=32,
+        verbose=0,
+        callbacks=[tfmemsafe.SplitBatchOnOOM(micro_batch_size=8)],
+    )
+    return [message for message in said if "AutoGraph" in message]
+
+
+class AutoGraphTest(tf.test.TestCase):
+    def test_the_guard_gives_autograph_nothing_to_warn_of(self):
+        said = tfmemsafe.testing.run_in_subprocess(
+            autograph_warnings_of_an_accumulating_split
+        )
+        self.assertEqual(said, [])
 
 
 if __name__ == "__main__":

@@ -139,6 +139,10 @@ class StepGuard:
         vars(accumulator)["apply_if_ready"] = apply_if_ready
         self._patched.append((accumulator, "apply_if_ready"))
 
+    # Not converted by AutoGraph (the step that calls it is): nothing in
+    # it branches on a tensor, and the import `_compat` makes in it is
+    # not code AutoGraph can read.
+    @tf.autograph.experimental.do_not_convert
     def _mark(self):
         """Sets the marker, after the control dependencies open where it is
         called: the gradients of the replica that calls it.
