@@ -600,7 +600,37 @@ def train_under_mirrored_strategy():
     }
 
 
+def seeds_after_building(checkpointed: bool) -> dict:
+    """The default seed of a layer made after a block was built, plain or
+    `Checkpointed`, and Keras' global seed generator's seed."""
+    import random
+
+    from tfmemsafe import _compat
+
+    keras.utils.set_random_seed(3)
+    block = keras.layers.Dense(2)
+    if checkpointed:
+        block = tfmemsafe.Checkpointed(block)
+    block(keras.Input((4,)))
+    _, generator = _compat.global_seed_generator()
+    return {
+        "next": random.random(),
+        "global": None if generator is None else int(generator.state[0]),
+    }
+
+
 class CheckpointingInProcessesTest(parameterized.TestCase, tf.test.TestCase):
+    def test_building_draws_no_seed_from_later_layers(self):
+        plain = testing.run_in_subprocess(seeds_after_building, args=[False])
+        wrapped = [
+            testing.run_in_subprocess(seeds_after_building, args=[True])
+            for _ in range(2)
+        ]
+        self.assertEqual(wrapped[0]["next"], plain["next"])
+        # And the generator it makes has the same seed in every process.
+        self.assertIsNotNone(wrapped[0]["global"])
+        self.assertEqual(wrapped[0]["global"], wrapped[1]["global"])
+
     def test_checkpointing_lowers_the_allocator_peak(self):
         peaks = testing.run_in_subprocess(
             peak_memory_of_one_training_step,

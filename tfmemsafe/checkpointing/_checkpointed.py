@@ -9,6 +9,7 @@ random ops could not be replayed (`_random_ops.py`).
 from __future__ import annotations
 
 import inspect
+import random
 
 import keras
 import tensorflow as tf
@@ -107,7 +108,16 @@ class Checkpointed(keras.layers.Wrapper):
         super().build(input_shape)
         # Unseeded `keras.random` calls create this generator on first use;
         # create it now so that its state can be replayed like any other.
-        _compat.global_seed_generator(create=True)
+        # Its seed comes from Python's random state without drawing from
+        # it (Keras would draw it), so that the layers made after this one
+        # get the seeds they would get without it. (Its integers hash
+        # alike in every process.)
+        state = random.getstate()
+        random.seed(hash((state[1], 1)))
+        try:
+            _compat.global_seed_generator(create=True)
+        finally:
+            random.setstate(state)
 
     def get_config(self):
         return {**super().get_config(), "recompute": self.recompute}
