@@ -819,6 +819,16 @@ class ProgressTest(tf.test.TestCase):
                 verbose="loud",
             )
 
+    def test_a_device_the_process_has_not_is_refused_naming_it(self):
+        with self.assertRaisesRegex(
+            ValueError, r"^`device` must be a device this process has .*'GPU:9'"
+        ):
+            tfmemsafe.estimate_memory(
+                testing.reference_model("mlp", (3,)),
+                (np.zeros((4, 3)), np.zeros(4)),
+                device="GPU:9",
+            )
+
 
 class MemoryEstimateTest(parameterized.TestCase, tf.test.TestCase):
     def test_peak_bytes_follows_the_line(self):

@@ -107,7 +107,8 @@ def estimate_memory(
             the peak did not grow with the batch size.
         OutOfMemoryError: If a probe ran out of memory.
         TypeError: If `model` or `data` is of the wrong kind.
-        ValueError: If an argument is out of range.
+        ValueError: If an argument is out of range, or `device` is not
+            one this process has.
 
     Example:
     >>> estimate = tfmemsafe.estimate_memory(model, (x, y))

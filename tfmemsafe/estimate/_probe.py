@@ -329,10 +329,19 @@ class _StepPeaks(keras.callbacks.Callback):
 
 
 def devices_of(model, device=None) -> list[str]:
-    if device is not None:
-        return [memory.device_name(device)]
-    with model.distribute_strategy.scope():
-        return memory.default_devices()
+    """`[device]`, if this process has it; else the model's replica
+    devices."""
+    if device is None:
+        with model.distribute_strategy.scope():
+            return memory.default_devices()
+    name = memory.device_name(device)
+    present = [memory.device_name(d) for d in tf.config.list_logical_devices()]
+    if name not in present:
+        raise ValueError(
+            f"`device` must be a device this process has ({', '.join(present)}"
+            f"). Received: device={device!r}"
+        )
+    return [name]
 
 
 def check_statistics(devices) -> dict:
