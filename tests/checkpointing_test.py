@@ -483,6 +483,7 @@ class CheckpointBlocksTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(
         ("empty", [], None, "`blocks` must be a non-empty sequence"),
         ("not_layers", ["dense"], None, "`blocks` must be a non-empty"),
+        ("a_number", 7, None, r"`blocks` must be a non-empty.*blocks=7$"),
         ("zero_segments", None, 0, r"`segments` must be an integer between"),
         ("too_many_segments", None, 4, r"between 1 and len\(blocks\)=3"),
         ("bool_segments", None, True, "Received: segments=True"),

@@ -139,6 +139,20 @@ def _const_error(proto):
     return None
 
 
+class FitsWithinTest(tf.test.TestCase):
+    def test_leaves_the_headroom_free(self):
+        self.assertTrue(tfmemsafe.memory.fits_within(90, 100))
+        self.assertFalse(tfmemsafe.memory.fits_within(91, 100))
+        self.assertTrue(tfmemsafe.memory.fits_within(100, 100, headroom=0))
+
+    def test_a_headroom_outside_zero_to_one_is_refused_naming_it(self):
+        for headroom in (1.5, -0.1, 1):
+            with self.assertRaisesRegex(
+                ValueError, rf"^`headroom` must be .*headroom={headroom}$"
+            ):
+                tfmemsafe.memory.fits_within(50, 100, headroom)
+
+
 def _float_proto(sizes, content=None):
     from tensorflow.core.framework import tensor_pb2
     from tensorflow.core.framework import tensor_shape_pb2

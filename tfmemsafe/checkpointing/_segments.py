@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from collections.abc import Sequence
 
 import keras
@@ -63,11 +64,12 @@ def checkpoint_blocks(
     [True, True, False]
     >>> model = keras.Sequential([keras.Input((64,)), *layers])
     """
-    blocks = list(blocks)
+    given = blocks
+    blocks = list(blocks) if isinstance(blocks, Iterable) else []
     if not blocks or not all(isinstance(b, keras.layers.Layer) for b in blocks):
         raise ValueError(
             "`blocks` must be a non-empty sequence of `keras.layers.Layer`. "
-            f"Received: blocks={blocks!r}"
+            f"Received: blocks={given!r}"
         )
     if segments is None:
         segments = max(1, round(math.sqrt(len(blocks))))

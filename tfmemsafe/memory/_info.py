@@ -7,6 +7,8 @@ import os
 
 import tensorflow as tf
 
+from tfmemsafe import _checks
+
 _MB = 1024 * 1024
 
 # TensorFlow's BFC allocator on the CPU stops here unless
@@ -202,10 +204,14 @@ def fits_within(
     Returns:
         Whether `peak_bytes <= limit_bytes * (1 - headroom)`.
 
+    Raises:
+        ValueError: `headroom` is not in [0, 1).
+
     Example:
     >>> tfmemsafe.memory.fits_within(850 * 2**20, 1024 * 2**20)
     True
     """
+    headroom = _checks.fraction("headroom", headroom)
     return peak_bytes <= usable_bytes(limit_bytes, headroom)
 
 
