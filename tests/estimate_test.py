@@ -1308,7 +1308,12 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     @parameterized.named_parameters(
         ("one_size", [8], ValueError, "must hold at least two"),
         ("repeated_size", [8, 8], ValueError, "must hold at least two"),
-        ("zero", [0, 8], ValueError, "must be an integer >= 1"),
+        (
+            "zero",
+            [0, 8],
+            ValueError,
+            r"must be integers of at least 1\. Received: batch_sizes=\[0, 8\]",
+        ),
         ("not_a_list", 8, TypeError, "must be a list of integers"),
         ("string", "8,16", TypeError, "must be a list of integers"),
     )

@@ -314,16 +314,22 @@ def _check_batch_sizes(batch_sizes, replicas: int) -> list[int]:
             "`batch_sizes` must be a list of integers or None. "
             f"Received: batch_sizes={batch_sizes!r}"
         )
-    sizes = [_checks.integer("batch_sizes", s, replicas) for s in batch_sizes]
+    batch_sizes = list(batch_sizes)
+    if not all(_checks.is_integer(size, replicas) for size in batch_sizes):
+        raise ValueError(
+            f"`batch_sizes` must be integers of at least {replicas}. "
+            f"Received: batch_sizes={batch_sizes!r}"
+        )
+    sizes = [int(size) for size in batch_sizes]
     if len(set(sizes)) < 2:
         raise ValueError(
             "`batch_sizes` must hold at least two different sizes, to fit "
-            f"a line through. Received: batch_sizes={list(batch_sizes)!r}"
+            f"a line through. Received: batch_sizes={batch_sizes!r}"
         )
     if any(size % replicas for size in sizes):
         raise ValueError(
             f"`batch_sizes` must be multiples of the {replicas} replicas: "
             "they are global batch sizes. "
-            f"Received: batch_sizes={list(batch_sizes)!r}"
+            f"Received: batch_sizes={batch_sizes!r}"
         )
     return sorted(sizes)
