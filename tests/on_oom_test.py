@@ -1005,6 +1005,40 @@ class CustomTrainStepTest(tf.test.TestCase):
         self.assertEqual(int(model.second_optimizer.iterations), 4)
         self.assertRegex("\n".join(logs.output), "its own `train_step`")
 
+    def test_variables_given_to_a_lazy_optimizer_as_a_generator(self):
+        x, _ = _features()
+        y = x[:, :1]
+
+        class GeneratorStep(keras.Model):
+            def __init__(self):
+                super().__init__(name="generator_step")
+                self.dense = keras.layers.Dense(1)
+                self.own_optimizer = keras.optimizers.SGD(1e-2)
+
+            def call(self, inputs):
+                return self.dense(inputs)
+
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(self(x) - y))
+                variables = self.dense.trainable_variables
+                self.own_optimizer.apply(
+                    tape.gradient(loss, variables), (v for v in variables)
+                )
+                return {"loss": loss}
+
+        def fitted(callbacks):
+            keras.utils.set_random_seed(2)
+            model = GeneratorStep()
+            model.compile()
+            model.fit(x, y, batch_size=64, verbose=0, callbacks=callbacks)
+            return model
+
+        reference = fitted([])
+        model = fitted([tfmemsafe.SplitBatchOnOOM()])
+        self.assertAllClose(reference.get_weights(), model.get_weights())
+
     def test_optimizers_its_own_step_builds_train_as_without(self):
         x, _ = _features()
         y = x[:, :1]

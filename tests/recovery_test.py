@@ -891,6 +891,19 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         with self.assertRaisesRegex(TypeError, r"^`x` must be arrays"):
             tfmemsafe.fit(_models.dense_model(), data)
 
+    def test_a_list_with_an_output_left_out_trains(self):
+        inputs = keras.Input((2,))
+        # The second output has no loss: nothing to train in it either.
+        outputs = [
+            keras.layers.Dense(1)(inputs),
+            keras.layers.Dense(1, trainable=False)(inputs),
+        ]
+        model = keras.Model(inputs, outputs)
+        model.compile("sgd", ["mse", None])
+        x, y = np.ones((8, 2), "float32"), np.zeros((8, 1), "float32")
+        history = tfmemsafe.fit(model, x, [y, None], verbose=0, preflight=False)
+        self.assertLen(history.history["loss"], 1)
+
     def test_lists_of_numbers_are_refused_naming_their_argument(self):
         x, y = _models.table(8)
         model = _models.dense_model()

@@ -47,7 +47,7 @@ def check_kind(data, argument: str) -> None:
     if data is None or is_iterable_only(data) or callable(data):
         return
     leaves = keras.tree.flatten(data) if isinstance(data, list) else []
-    if not all(hasattr(leaf, "shape") for leaf in leaves):
+    if not all(leaf is None or hasattr(leaf, "shape") for leaf in leaves):
         # As Keras: a list holds arrays (of each input), not numbers.
         raise TypeError(
             f"`{argument}` must be arrays or tensors, or a list or dict of "

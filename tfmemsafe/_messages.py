@@ -35,9 +35,10 @@ def error_line(error: BaseException | str) -> str:
 
     TensorFlow's first line is often generic ("Graph execution error:"), so
     the first line that mentions OOM or RESOURCE_EXHAUSTED wins, then the
-    first that mentions memory, leaving out the lines of the traceback
-    TensorFlow quotes (`File "train.py", line 9, in fit_in_memory`); else
-    the first line; without Keras' bold. At most 300 characters.
+    first that mentions memory or an allocation, leaving out the lines of
+    the traceback TensorFlow quotes (`File "train.py", line 9, in
+    fit_in_memory`); else the first line; without Keras' bold. At most 300
+    characters.
     """
     if isinstance(error, BaseException):
         text = getattr(error, "message", None) or str(error)
@@ -47,10 +48,12 @@ def error_line(error: BaseException | str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     said = [line for line in lines if not line.startswith('File "')]
-    for words in (("OOM", "RESOURCE_EXHAUSTED"), ("memory",)):
-        for line in said:
-            if any(word in line for word in words):
-                return line[:_MAX_LINE]
+    for line in said:
+        if "OOM" in line or "RESOURCE_EXHAUSTED" in line:
+            return line[:_MAX_LINE]
+    for line in said:
+        if "memory" in line.lower() or "allocat" in line.lower():
+            return line[:_MAX_LINE]
     return lines[0][:_MAX_LINE] if lines else fallback
 
 

@@ -104,7 +104,7 @@ class StepGuard:
             if not tf.inside_function() or not present:
                 guard._touched.assign(True)
                 return original(gradients, *args, **kwargs)
-            _build_before_the_barrier(owner, args, kwargs)
+            args, kwargs = _build_before_the_barrier(owner, args, kwargs)
             # One op over every gradient: nothing after it starts before
             # the whole backward pass is done.
             flat = tf.identity_n([_dense(g) for g in present])
@@ -363,19 +363,24 @@ def _like(original, tensor):
     return tensor
 
 
-def _build_before_the_barrier(owner, args, kwargs) -> None:
+def _build_before_the_barrier(owner, args, kwargs) -> tuple:
     """Builds an optimizer that its first `apply` would build (one a
     model's own `train_step` holds, built lazily as in Keras' GAN guide)
     as Keras' `apply` builds it, before the barrier: under the barrier's
     control dependencies its slots' initial values would depend on the
     step's gradients, and TensorFlow cannot lift such a variable out of
-    the traced step."""
+    the traced step. Returns `apply`'s arguments, the variables as a list
+    (they may come as a generator, which building reads)."""
     variables = kwargs.get("trainable_variables", args[0] if args else None)
     if (
         not isinstance(owner, keras.optimizers.Optimizer)
         or owner.built
         or variables is None
     ):
-        return
+        return args, kwargs
+    variables = list(variables)
     with keras.name_scope(owner.name, caller=owner):
-        owner.build(list(variables))
+        owner.build(variables)
+    if "trainable_variables" in kwargs:
+        return args, {**kwargs, "trainable_variables": variables}
+    return (variables, *args[1:]), kwargs
