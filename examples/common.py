@@ -100,6 +100,8 @@ SEED = flags.DEFINE_integer(
     None,
     "Seed for Python, NumPy, TensorFlow and Keras, for repeatable runs. "
     "Defaults to a different run each time.",
+    lower_bound=0,
+    upper_bound=2**32 - 1,  # NumPy's seeds.
 )
 
 # Set in the process started for --memory_cap_mb, so it does not start

@@ -411,6 +411,18 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertLen(history.history["loss"], 2)
         self.assertEqual(history.batch_size, 64)
 
+    def test_history_has_what_callbacks_add_to_the_logs(self):
+        x, y = _features()
+        scheduler = keras.callbacks.LearningRateScheduler(lambda e, r: r / 2)
+        history = tfmemsafe.fit(
+            _classifier(), x, y, 64, 2, 0, callbacks=[scheduler]
+        )
+        self.assertLen(history.history["learning_rate"], 2)
+        self.assertLess(
+            history.history["learning_rate"][1],
+            history.history["learning_rate"][0],
+        )
+
     def test_evaluate_and_predict_take_their_models_arguments(self):
         x, y = _features()
         model = _classifier()

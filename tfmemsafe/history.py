@@ -83,9 +83,9 @@ class GrowBackEvent:
     """Micro-batches that `SplitBatchOnOOM` grew back after memory that
     had made them shrink was freed.
 
-    `str(event)` is one line, e.g. `"epoch 2, training step 6: batch size
-    128 -> 256, accumulation steps 1"` (the epoch counted from 1): the
-    rows of a micro-batch before and after.
+    `str(event)` is one line, e.g. `"epoch 2, training step 6:
+    micro-batches of 128 -> 256 rows, accumulation steps 1"` (the epoch
+    counted from 1): the rows of a micro-batch before and after.
 
     Attributes:
         epoch: int. The epoch, counted from 0 as Keras callbacks count.
@@ -110,9 +110,9 @@ class GrowBackEvent:
     def __str__(self) -> str:
         accumulation = _accumulation_text(self.accumulation_steps)
         return (
-            f"epoch {self.epoch + 1}, training step {self.step}: batch "
-            f"size {self.batch_size_before} -> {self.batch_size_after}"
-            f"{accumulation}"
+            f"epoch {self.epoch + 1}, training step {self.step}: "
+            f"micro-batches of {self.batch_size_before} -> "
+            f"{self.batch_size_after} rows{accumulation}"
         )
 
 

@@ -239,6 +239,14 @@ def fit(
     )
     check_kind(x, "x")
     check_kind(y, "y")
+    if y is not None and (
+        isinstance(x, tf.data.Dataset) or is_iterable_only(x) or callable(x)
+    ):
+        raise ValueError(
+            "`y` must not be passed when `x` is a tf.data.Dataset, a "
+            "PyDataset, a generator or a callable: the targets come with "
+            f"`x`. Received: x of type {type(x).__name__} and y"
+        )
     check_kind(validation_data, "validation_data")
     x, y, sample_weight = unpacked(x, y, sample_weight)
     strategy = model.distribute_strategy
@@ -286,8 +294,9 @@ def fit(
             model, data, rows, split, history, initial_epoch, verbose
         )
     if history not in callbacks:
-        # After the monitors: it records the logs they add to.
-        callbacks = monitors_first([history, *callbacks])
+        # Last, where Keras puts its own: it records the logs every other
+        # callback adds to (a monitor's memory, a scheduler's rate).
+        callbacks = [*callbacks, history]
     if isinstance(x, tf.data.Dataset):
         shuffle = False  # Keras ignores it here, and warns at its default.
     # Without the batch Keras reads and drops under a strategy: see
