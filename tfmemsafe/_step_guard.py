@@ -286,12 +286,23 @@ class StepGuard:
                         )
                     )
         self._copies = copies
+        self._save = _traced(self._save_eagerly)
+        self._restore = None  # Traced at its first use.
+
+    def _save_eagerly(self):
+        for copy, variable in zip(self._copies, self._small, strict=True):
+            copy.assign(variable)
+        self._touched.assign(False)
+
+    def _restore_eagerly(self):
+        for copy, variable in zip(self._copies, self._small, strict=True):
+            variable.assign(copy)
 
     def save_small_state(self) -> None:
         """Copies the small state and clears the marker; before a step."""
         if len(self.model.metrics_variables) != self._metric_count:
             self._copy_small_state()
-        _assign_each([*self._copies, self._touched], [*self._small, False])
+        self._save()
 
     def restore_small_state(self) -> None:
         """Puts the small state back as `save_small_state` found it.
@@ -300,7 +311,9 @@ class StepGuard:
         compiled metrics at the first step) had no value before it: it is
         reset to its start."""
         if self._small:
-            _assign_each(self._small, self._copies)
+            if self._restore is None:
+                self._restore = _traced(self._restore_eagerly)
+            self._restore()
         if len(self.model.metrics_variables) != self._metric_count:
             copied = {id(part) for part in self._small}
             for metric in self.model.metrics:
@@ -313,14 +326,15 @@ class StepGuard:
         return bool(self._touched.numpy())
 
 
-# One function for every guard: its variables are its arguments, so a
-# guard of another run (another model) reuses its trace, where a function
-# of each guard's own would be traced again for every run.
-@tf.function(autograph=False, reduce_retracing=True)
-def _assign_each(targets, values):
-    """Assigns each of `values` to its target, in one call."""
-    for target, value in zip(targets, values, strict=True):
-        target.assign(value)
+def _traced(function):
+    """`function` traced now, to be called as a concrete function: what it
+    assigns is captured, so a call passes nothing (passing each variable
+    as an argument costs several times as much a call), and calls of a
+    concrete function are not counted by TensorFlow's retracing warning,
+    which would otherwise name the guard after a few short runs in one
+    process (a trace a run, all of one source function). Its loops over
+    Python lists give AutoGraph nothing to convert."""
+    return tf.function(function, autograph=False).get_concrete_function()
 
 
 def _with_inner(optimizers) -> list:
