@@ -1287,16 +1287,25 @@ class MicroBatchSizeTest(tf.test.TestCase):
         # free.
         self.assertEqual(size.ran_out(256, 950 * _MIB), 25)
 
-    def test_never_chooses_a_size_that_ran_out_beside_as_much(self):
-        size = MicroBatchSize(1, limit_bytes=1000 * _MIB)
+    def test_a_grow_back_that_ran_out_waits_twice_as_long(self):
+        # As when another process holds memory that no reading shows.
+        size = MicroBatchSize(2, limit_bytes=1000 * _MIB)
         size.measured(100, 200 * _MIB, 100 * _MIB)  # 1 MiB a row.
         # Predicted to fit, 512 ran out: the prediction is wrong, halve.
         self.assertEqual(size.ran_out(512, 100 * _MIB), 256)
-        size.trained()
-        # 512 is predicted to fit, but ran out beside 100 MiB.
-        self.assertIsNone(size.grow_back_rows(100 * _MIB))
-        # With less held than when it ran out, it is tried.
-        self.assertEqual(size.grow_back_rows(50 * _MIB), 512)
+        for wait in (2, 4, 8):
+            for _ in range(wait - 1):
+                size.trained()
+                self.assertIsNone(size.grow_back_rows(100 * _MIB))
+            size.trained()
+            self.assertEqual(size.grow_back_rows(100 * _MIB), 512)
+            self.assertEqual(size.ran_out(512, 100 * _MIB), 256)
+        # The memory was freed: it grows back and stays.
+        for _ in range(16):
+            size.trained()
+        self.assertEqual(size.grow_back_rows(100 * _MIB), 512)
+        size.grew_back(512, 512)
+        self.assertEqual(size.rows_for(512), 512)
 
     def test_grows_back_after_clean_steps_when_predicted_to_fit(self):
         size = MicroBatchSize(3, limit_bytes=1000 * _MIB)

@@ -20,9 +20,12 @@ are measured:
   it the line under-predicts. A prediction that ran out halves instead.
   A size that ran out is a fact: nothing at or above it is chosen again
   while as much memory is held as when it ran out.
-- After `grow_back_after` clean steps the size doubles, if the
-  measurement predicts the double to fit (or, without statistics, after
-  twice as many clean steps as the last grow-back that ran out).
+- After `grow_back_after` clean steps the size doubles, unless the
+  measurement predicts the double not to fit. A grow-back that runs out
+  doubles the clean steps before the next: what it ran out of may be
+  held by something the statistics do not count (another process on a
+  GPU), so no size is given up for good, and none is retried blindly
+  every `grow_back_after` steps.
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ class MicroBatchSize:
         out with `in_use_bytes` in use; `None` when `rows` was the
         floor."""
         self.clean_steps = 0
+        if self.rows is not None and rows > self.rows and self._wait:
+            self._wait *= 2  # A grow-back ran out.
         # A probe is one attempt's first micro-batch: where it (or the
         # attempt) ran out, the next is decided anew, never that probe.
         self._probe = None
@@ -144,11 +149,6 @@ class MicroBatchSize:
         if not self.grow_back_due():
             return None
         larger = 2 * self.rows
-        if self._below_failures(larger, in_use_bytes) < larger:
-            if in_use_bytes is not None:
-                return None  # It ran out beside no more than is held now.
-            # Nothing to compare: try, but twice as rarely each time.
-            self._wait *= 2
         fitting = self._fitting_rows(in_use_bytes)
         if fitting is not None and fitting < larger:
             return None
