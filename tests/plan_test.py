@@ -79,6 +79,15 @@ class PlanTest(parameterized.TestCase, tf.test.TestCase):
         self.assertAllClose(_state(model), before, rtol=0, atol=0)
         self.assertIsNotNone(plan.chosen.step_seconds)
 
+    def test_a_batch_larger_than_the_data_is_planned_as_keras_trains_it(self):
+        # `model.fit` trains one batch of the 100 rows.
+        x, y = _data(100)
+        plan = tfmemsafe.plan(
+            _residual(), x, y, batch_size=_BATCH, checkpointing=False, verbose=0
+        )
+        self.assertEqual(plan.batch_size, 100)
+        self.assertEqual(plan.candidates[0].micro_batches, 1)
+
     def test_a_batch_predicted_not_to_fit_whole_is_planned_smaller(self):
         model = _residual()
         x, y = _data(4096)

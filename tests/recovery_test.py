@@ -744,6 +744,33 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         )
         self.assertEqual(history.batch_size, 64)
 
+    @parameterized.named_parameters(
+        ("batched_dataset", "batched_dataset", 0.0, 60),
+        ("arrays_less_validation", "arrays", 0.5, 30),
+    )
+    def test_batch_size_is_at_most_the_samples_trained_on(
+        self, kind, validation_split, samples
+    ):
+        x, y = _models.table(60)
+        data = _models.data_of_kind(kind, x, y)
+        for batch_size in ("auto", 512):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                history = tfmemsafe.fit(
+                    _models.dense_model(),
+                    data,
+                    batch_size=batch_size,
+                    validation_split=validation_split,
+                    verbose=0,
+                )
+            self.assertLessEqual(history.batch_size, samples)
+            self.assertEqual(
+                history.params["steps"], -(-samples // history.batch_size)
+            )
+            messages = [str(w.message) for w in caught]
+            self.assertEmpty([m for m in messages if "ran out" in m], messages)
+        self.assertEqual(history.batch_size, samples)  # Of 512.
+
 
 def _interrupt_at_epoch_1(epoch, logs):
     if epoch == 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import math
 import types
 
 import keras
@@ -115,11 +116,29 @@ def keras_data(data, batch_size, strategy, argument: str = "x") -> tuple:
             size = batch_size or DEFAULT_BATCH_SIZE
             data = data.batch(size)
         elif size is not None and batch_size not in (None, size):
-            data, size = data.rebatch(batch_size), batch_size
+            data, size = _pipelines.rebatched(data, batch_size), batch_size
         return _for_keras(data, strategy), None, size or batch_size
     if is_iterable_only(data):
         return data, None, None
     return data, batch_size, batch_size or DEFAULT_BATCH_SIZE
+
+
+def samples_of(data, validation_split: float = 0.0) -> int | None:
+    """The samples `model.fit` trains on in an epoch of `data`, where
+    known without reading it: the rows of arrays (less the last
+    `validation_split` of them, as Keras splits), a dataset's by its
+    pipeline; else `None`."""
+    if isinstance(data, tf.data.Dataset):
+        if _pipelines.batching_of(data)[0]:
+            return _pipelines.rows_of_batched(data)
+        samples = int(data.cardinality())
+        return samples if samples >= 0 else None
+    if is_iterable_only(data) or callable(data):
+        return None
+    shape = getattr(keras.tree.flatten(data)[0], "shape", None)
+    if not shape or shape[0] is None:
+        return None
+    return max(1, math.floor(int(shape[0]) * (1.0 - (validation_split or 0))))
 
 
 def varies_in_length(data) -> bool:

@@ -112,6 +112,20 @@ def rows_of_batched(dataset) -> int | None:
     return None
 
 
+def rebatched(dataset, batch_size: int):
+    """`dataset`'s batches as batches of `batch_size`, its length told
+    where it is known: `rebatch` hides it, and Keras shows it in the
+    progress bar, ends the epoch by it, and warns of data that ran out at
+    the end of one of unknown length."""
+    rows = rows_of_batched(dataset)
+    dataset = dataset.rebatch(batch_size)
+    if rows is None:
+        return dataset
+    return dataset.apply(
+        tf.data.experimental.assert_cardinality(math.ceil(rows / batch_size))
+    )
+
+
 def for_keras(dataset, *, one_worker: bool):
     """`dataset` as tfmemsafe hands it to Keras: it raises when memory
     runs out, where TensorFlow (2.21 and before) would end the process.

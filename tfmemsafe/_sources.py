@@ -11,8 +11,6 @@ build the model with, and the number of batches.
 
 from __future__ import annotations
 
-import math
-
 import keras
 import tensorflow as tf
 
@@ -116,8 +114,11 @@ class Source:
 
     def trial_arguments(self, batch_size: int, steps: int) -> dict:
         """Arguments for `model.fit` to train `steps` full batches."""
+        batches = self.dataset(batch_size, repeat=True).take(steps)
         return {
-            "x": self.dataset(batch_size, repeat=True).take(steps),
+            # Told its length, which `rebatch` hides: Keras warns of data
+            # that ran out at the end of one of unknown length.
+            "x": batches.apply(tf.data.experimental.assert_cardinality(steps)),
             "shuffle": False,
         }
 
@@ -318,6 +319,10 @@ class BatchedDataset(Source):
             )
         return self.batch_size
 
+    @property
+    def num_samples(self) -> int | None:
+        return _pipelines.rows_of_batched(self.data)
+
     def _read_sample_inputs(self):
         # A row of the first batch: no batching again (examples of varying
         # length cannot be).
@@ -345,16 +350,7 @@ class BatchedDataset(Source):
                 f"{self.data.element_spec}"
             )
         dataset = self.data.repeat() if repeat else self.data
-        dataset = dataset.rebatch(batch_size)
-        rows = None if repeat else _pipelines.rows_of_batched(self.data)
-        if rows is not None:
-            # `rebatch` hides the length; Keras shows it in the progress
-            # bar and ends the epoch by it.
-            dataset = dataset.apply(
-                tf.data.experimental.assert_cardinality(
-                    math.ceil(rows / batch_size)
-                )
-            )
+        dataset = _pipelines.rebatched(dataset, batch_size)
         return _pipelines.for_keras(dataset, one_worker=self.one_worker)
 
 

@@ -115,8 +115,10 @@ def plan(
             `keras.utils.PyDataset`, generator or iterator (the plan reads
             batches ahead of training). A few batches are read.
         y: The targets, with arrays or tensors as `x`.
-        batch_size: int or `None`. The batch to train. Defaults to the
-            batch size of a batched dataset, else 32.
+        batch_size: int or `None`. The batch to train (at most the
+            samples in `x`, where they are known: `model.fit` trains no
+            larger batch). Defaults to the batch size of a batched
+            dataset, else 32.
         memory_limit: int or `None`. Bytes to plan within, at most the
             device's. Defaults to `None`: the device's limit.
         checkpointing: bool or `"auto"`. Whether to consider recomputing
@@ -168,6 +170,8 @@ def plan(
     data = x if y is None else (x, y)
     source = source_for(data, "x", labelled=True, strategy=strategy)
     rows = source.resolve_batch_size(batch_size)
+    if source.num_samples:  # The largest batch `model.fit` trains.
+        rows = min(rows, source.num_samples)
     split_batch_norm = _checks.boolean("split_batch_norm", split_batch_norm)
     not_tried = [_precision(model)]
     if distribute.is_multi_worker(strategy):

@@ -9,14 +9,18 @@ from tfmemsafe import data as data_lib
 from tfmemsafe import planning
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import padded_batches
+from tfmemsafe._keras_data import samples_of
 from tfmemsafe._keras_data import varies_in_length
 from tfmemsafe.accumulation import accumulation_steps_of
 
 
-def auto_batch(model, x, y, validation_data, memory_estimate, verbose):
+def auto_batch(
+    model, x, y, validation_data, validation_split, memory_estimate, verbose
+):
     """`batch_size="auto"`: `(x, validation_data, batch_size)`, with
     examples of varying length batched by memory buckets (the batch size
-    the first bucket's), else the largest batch size found to fit."""
+    the first bucket's), else the largest batch size found to fit, at
+    most the samples trained on (without `validation_split`'s)."""
     if is_iterable_only(x):
         raise ValueError(
             "`batch_size='auto'` needs data it can batch (arrays, a "
@@ -32,11 +36,16 @@ def auto_batch(model, x, y, validation_data, memory_estimate, verbose):
             "cannot be batched again. Pass the unbatched examples: they are "
             f"then batched by length buckets. Received: x={x!r:.80}"
         )
+    largest = {}
+    samples = samples_of(x, validation_split) if validation_split else None
+    if samples:  # Without the rows `model.fit` keeps for validation.
+        largest["max_batch_size"] = samples
     batch_size = planning.find_max_batch_size(
         model,
         x if y is None else (x, y),
         memory_estimate=memory_estimate,
         verbose=verbose,
+        **largest,
     )
     logging.info("tfmemsafe.fit: batch_size='auto' chose %d.", batch_size)
     return x, validation_data, batch_size

@@ -22,6 +22,7 @@ from tfmemsafe._keras_data import chained_cause
 from tfmemsafe._keras_data import check_kind
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import keras_data
+from tfmemsafe._keras_data import samples_of
 from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sample_batch import without_sample_batch
 from tfmemsafe._sources import source_for
@@ -168,8 +169,9 @@ def fit(
         A `tfmemsafe.FitHistory`: the `keras.callbacks.History` of the
         run, plus `oom_events` (a list of `OOMEvent`), `grow_back_events`
         (a list of `GrowBackEvent`) and `batch_size` (the training batch
-        size, where the data says it). A `History` passed in `callbacks`
-        is the one returned, made a `FitHistory` in place.
+        size, where the data says it: at most the samples trained on). A
+        `History` passed in `callbacks` is the one returned, made a
+        `FitHistory` in place.
 
     Raises:
         OutOfMemoryError: If a micro-batch of `min_batch_size` rows runs
@@ -253,7 +255,13 @@ def fit(
     history = fit_history_of(callbacks)
     if batch_size == "auto":
         x, validation_data, batch_size = auto_batch(
-            model, x, y, validation_data, memory_estimate, verbose
+            model,
+            x,
+            y,
+            validation_data,
+            validation_split,
+            memory_estimate,
+            verbose,
         )
         preflight = False  # Its size, or its buckets, were measured.
     if validation_data is not None:
@@ -267,7 +275,10 @@ def fit(
             else tuple(p for p in (vx, vy, vw) if p is not None)
         )
     data = x if y is None else (x, y)
+    samples = samples_of(data, validation_split)
     x, keras_batch_size, rows = keras_data(x, batch_size, strategy)
+    if rows is not None and samples is not None:
+        rows = min(rows, samples)  # The largest batch Keras trains.
     trained = model
     if plan is not None:
         plan = planning.to_follow(
