@@ -240,35 +240,26 @@ class SmallStateTest(tf.test.TestCase):
 
 
 def tensorflow_warnings_of_short_runs() -> list:
-    """What TensorFlow's logger says while an `AccumulatingModel` trains in
-    micro-batches (the guard's marker is traced inside its step), and
-    while six fresh models alike train a few steps each, as in a loop of
-    folds (each run has a guard of its own)."""
+    """What TensorFlow's logger says while six fresh `AccumulatingModel`s
+    train a few steps each, in micro-batches, as in a loop of folds: each
+    run has a guard of its own, whose marker is traced inside the step,
+    a split of its own, and an epoch that ends with a partial window."""
     import logging
 
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     tf.get_logger().addHandler(handler)
-    x, y = np.ones((64, 4), "float32"), np.ones((64, 2), "float32")
-    model = tfmemsafe.with_gradient_accumulation(_model(), 2)
-    model.compile("sgd", "mse")
-    model.fit(
-        x,
-        y,
-        batch_size=32,
-        verbose=0,
-        callbacks=[tfmemsafe.SplitBatchOnOOM(micro_batch_size=8)],
-    )
+    x, y = np.ones((48, 4), "float32"), np.ones((48, 2), "float32")
     for _ in range(6):
-        model = _model()
+        model = tfmemsafe.with_gradient_accumulation(_model(), 2)
         model.compile("sgd", "mse", metrics=["mae"])
         model.fit(
             x,
             y,
             batch_size=16,
             verbose=0,
-            callbacks=[tfmemsafe.SplitBatchOnOOM()],
+            callbacks=[tfmemsafe.SplitBatchOnOOM(micro_batch_size=8)],
         )
     return [m for m in said if "AutoGraph" in m or "retracing" in m]
 

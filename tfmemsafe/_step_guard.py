@@ -286,7 +286,7 @@ class StepGuard:
                         )
                     )
         self._copies = copies
-        self._save = _traced(self._save_eagerly)
+        self._save = traced(self._save_eagerly)
         self._restore = None  # Traced at its first use.
 
     def _save_eagerly(self):
@@ -312,7 +312,7 @@ class StepGuard:
         reset to its start."""
         if self._small:
             if self._restore is None:
-                self._restore = _traced(self._restore_eagerly)
+                self._restore = traced(self._restore_eagerly)
             self._restore()
         if len(self.model.metrics_variables) != self._metric_count:
             copied = {id(part) for part in self._small}
@@ -326,7 +326,7 @@ class StepGuard:
         return bool(self._touched.numpy())
 
 
-def _traced(function):
+def traced(function):
     """`function` traced now, to be called as a concrete function: what it
     assigns is captured, so a call passes nothing (passing each variable
     as an argument costs several times as much a call), and calls of a

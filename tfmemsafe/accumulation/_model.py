@@ -287,7 +287,11 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
             applied = strategy.run(flush_on_replica)
             return strategy.experimental_local_results(applied)[0]
 
-        return flush if self.run_eagerly else tf.function(flush)
+        if self.run_eagerly:
+            return flush
+        # Called as a concrete function, which TensorFlow's retracing
+        # warning does not count (a trace a model, in a loop of models).
+        return tf.function(flush).get_concrete_function()
 
     def _accumulators(self):
         """Every `GradientAccumulator` this model holds as an attribute."""

@@ -39,6 +39,7 @@ from tfmemsafe import _compat
 from tfmemsafe import distribute
 from tfmemsafe import estimate
 from tfmemsafe._step_guard import StepGuard
+from tfmemsafe._step_guard import traced
 from tfmemsafe.recovery._agreed_step import agree
 from tfmemsafe.recovery._agreed_step import update_name
 from tfmemsafe.recovery._agreed_step import updated_variables
@@ -70,7 +71,7 @@ class SplitBatch:
         # The open split (`begin` to `close`): each replica's share of
         # its batch, the compiled micro-batch step and its last logs.
         self._shares, self._step, self._logs = [], None, None
-        self._update_function = self._zero = None
+        self._update_function = self._dense_update = self._zero = None
         self._pieces_traced = False
         self._sums = {}  # id(variable) -> its weighted gradient sum.
         self._total = None  # The micro-batches' weights, summed.
@@ -132,7 +133,8 @@ class SplitBatch:
         self._update_function = tf.function(
             lambda sparse: self.strategy.run(self._update, args=(sparse,))
         )
-        self._zero = tf.function(self._assign_zeros, autograph=False)
+        self._dense_update = None
+        self._zero = traced(self._assign_zeros)
 
     def _assign_zeros(self):
         for variable in [*self._sums.values(), self._total, self._size]:
@@ -192,7 +194,17 @@ class SplitBatch:
         """Makes the one update of the pieces trained, and returns the
         step's logs (the metrics after its last micro-batch)."""
         with _compat.recording_custom_gradients(self._registered):
-            self._update_function(self._sparse)
+            if self._sparse:
+                self._update_function(self._sparse)
+            else:
+                if self._dense_update is None:
+                    # Traced once, as the pieces' step: calls of a concrete
+                    # function are not counted by TensorFlow's retracing
+                    # warning (a trace a run, in a loop of short runs).
+                    self._dense_update = (
+                        self._update_function.get_concrete_function({})
+                    )
+                self._dense_update({})
         logs = self._logs
         if self._replicas > 1:
             # Each replica's metrics are its own share's; read them
@@ -217,7 +229,7 @@ class SplitBatch:
         keeps of the steps' graphs, so that the sums are freed."""
         self._sums, self._total, self._updates = {}, None, {}
         self._size = self._step = self._update_function = None
-        self._zero = None
+        self._dense_update = self._zero = None
         self._dense = set()
         _compat.forget_custom_gradients(self._registered)
 
