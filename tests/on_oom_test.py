@@ -926,6 +926,24 @@ class RefusedTest(parameterized.TestCase, tf.test.TestCase):
                 callbacks=[tfmemsafe.SplitBatchOnOOM()],
             )
 
+    @parameterized.parameters(None, 8)
+    def test_an_error_in_the_step_reads_as_under_keras_own(self, rows):
+        # Not wrapped by AutoGraph as "in user code", with frames of
+        # tfmemsafe's: Keras does not convert its step either.
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        x, y = np.ones((32, 5), "float32"), np.ones((32, 2), "float32")
+        with self.assertRaises(ValueError) as keras_own:
+            model.fit(x, y, verbose=0)
+        with self.assertRaises(ValueError) as split:
+            model.fit(
+                x,
+                y,
+                verbose=0,
+                callbacks=[tfmemsafe.SplitBatchOnOOM(micro_batch_size=rows)],
+            )
+        self.assertEqual(str(split.exception), str(keras_own.exception))
+
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "`grow_back_after` must"):
             tfmemsafe.SplitBatchOnOOM(grow_back_after=0)

@@ -64,10 +64,13 @@ class AgreedStep:
         self._plan = None
         self._own_part = tf.function(
             self._run_own_part,
+            autograph=False,  # As Keras compiles its step.
             reduce_retracing=True,
             jit_compile=model.jit_compile is True,
         )
-        self._update = tf.function(self._run_update, reduce_retracing=True)
+        self._update = tf.function(
+            self._run_update, autograph=False, reduce_retracing=True
+        )
 
     def __call__(self, iterator):
         """One step on the next batch of `iterator` (Keras' fit loop calls

@@ -36,8 +36,11 @@ class ModelSteps:
                 return self.strategy.run(step, args=(data,))
 
             if not model.run_eagerly:
+                # Not converted by AutoGraph, as Keras compiles its own
+                # step: its errors reach the user as Keras' would.
                 run = tf.function(
                     run,
+                    autograph=False,
                     reduce_retracing=True,
                     jit_compile=model.jit_compile is True,
                 )

@@ -127,11 +127,13 @@ class SplitBatch:
         # `merge_call`, which an `AccumulatingModel`'s step does).
         self._step = tf.function(
             lambda piece: self.strategy.run(self._micro_batch, args=(piece,)),
+            autograph=False,  # As Keras compiles its step.
             reduce_retracing=True,
             jit_compile=self.model.jit_compile is True,
         )
         self._update_function = tf.function(
-            lambda sparse: self.strategy.run(self._update, args=(sparse,))
+            lambda sparse: self.strategy.run(self._update, args=(sparse,)),
+            autograph=False,
         )
         self._dense_update = None
         self._zero = traced(self._assign_zeros)
