@@ -280,11 +280,11 @@ def _flags_to_forward() -> list[str]:
 
 
 def _configure_runtime() -> tfmemsafe.RuntimeConfig:
-    """Applies --precision, --memory_growth and --seed; says what was done."""
+    """Applies --precision, --memory_growth and --seed (`configure` logs
+    what it did)."""
     config = tfmemsafe.configure(
         memory_growth=MEMORY_GROWTH.value, precision=PRECISION.value
     )
-    print(config, flush=True)
     if os.environ.get(_CAPPED_RUN):
         print(
             f"CPU allocator capped at {MEMORY_CAP_MB.value} MB "
