@@ -17,7 +17,6 @@ from tfmemsafe import memory
 from tfmemsafe.accumulation import AccumulatingModel
 from tfmemsafe.recovery._held_batches import local_shares
 
-OWN_TRAIN_STEPS = (keras.Model.train_step, AccumulatingModel.train_step)
 # Why a model's own `train_step` is not split from the first step (after
 # an out-of-memory error it is: as calls of that step on the micro-batches).
 OWN_STEP = (
@@ -27,6 +26,16 @@ OWN_STEP = (
 # Reductions that divide a loss by the rows of its batch (times any fixed
 # axes), so that micro-batches weighted by their rows add up to it.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def keras_step(model) -> bool:
+    """Whether `model` trains with Keras' own `train_step` (or an
+    `AccumulatingModel`'s): one update a batch, which micro-batches can
+    make together. A model with its own step updates as it chooses."""
+    return type(model).train_step in (
+        keras.Model.train_step,
+        AccumulatingModel.train_step,
+    )
 
 
 def split_refusal(
@@ -56,8 +65,7 @@ def split_refusal(
     """
     if name == "predict":
         return None
-    own = type(model).train_step in OWN_TRAIN_STEPS
-    if name == "train" and not own:
+    if name == "train" and not keras_step(model):
         if distribute.is_multi_worker(model.distribute_strategy):
             return (
                 "the model has its own `train_step`, whose update cannot "

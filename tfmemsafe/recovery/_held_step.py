@@ -26,8 +26,8 @@ from tfmemsafe.recovery._agreed_step import AgreedStep
 from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._agreed_step import agreed_sizes
 from tfmemsafe.recovery._exact_split import OWN_STEP
-from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
 from tfmemsafe.recovery._exact_split import SplitRefusals
+from tfmemsafe.recovery._exact_split import keras_step
 from tfmemsafe.recovery._held_batches import example_shape
 from tfmemsafe.recovery._held_batches import joined
 from tfmemsafe.recovery._held_batches import joined_replicas
@@ -95,7 +95,7 @@ class HeldSteps:
             grow_back_after, limit, rows=rows, floor=min_micro_batch_size
         )
         self._micro_batch_size = micro_batch_size  # Training's, at first.
-        self._one_update = type(model).train_step in OWN_TRAIN_STEPS
+        self._one_update = keras_step(model)
         self._size = None  # The current batch's.
         # Under a multi-worker strategy every worker takes each decision
         # alike, and a training step's error reaches every worker before

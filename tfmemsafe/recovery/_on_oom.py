@@ -15,7 +15,7 @@ from tfmemsafe._model_state import optimizers_of
 from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._step_guard import StepGuard
 from tfmemsafe.errors import OutOfMemoryError
-from tfmemsafe.recovery._exact_split import OWN_TRAIN_STEPS
+from tfmemsafe.recovery._exact_split import keras_step
 from tfmemsafe.recovery._held_step import HeldSteps
 
 # The callback whose held functions a model has now.
@@ -311,10 +311,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
 
     @staticmethod
     def _workers_cannot_agree(model) -> bool:
-        return (
-            distribute.is_multi_worker(model.distribute_strategy)
-            and type(model).train_step not in OWN_TRAIN_STEPS
-        )
+        return distribute.is_multi_worker(
+            model.distribute_strategy
+        ) and not keras_step(model)
 
     def _reset(self) -> None:
         """Closes a run an error ended (Keras calls no `on_*_end` then)."""
