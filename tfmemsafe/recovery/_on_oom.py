@@ -41,9 +41,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     three; with nothing measured yet the first micro-batch is a small
     probe that sizes the rest; each phase and each shape of an example
     (length buckets' batches) has its own size. After `grow_back_after`
-    clean steps the micro-batches double, when the measured peak predicts
-    that the double fits beside what is held now; a size that ran out is
-    not tried again while as much memory is held as when it did.
+    clean steps the micro-batches double, unless the measured peak
+    predicts that the double does not fit beside what is held now; each
+    grow-back that runs out doubles the clean steps before the next.
 
     Exactly split: Keras' own `train_step` (and `AccumulatingModel`'s,
     whose window counts a split batch once), on one device or under a

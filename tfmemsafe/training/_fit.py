@@ -150,9 +150,10 @@ def fit(
             variable the model tracks; turn it off for a model whose
             calls have effects outside its variables. Defaults to `True`.
         grow_back_after: int or `None`. How many training steps must
-            train without an error before split micro-batches double, when
-            the measured peak predicts the double fits beside what is held
-            now (see `SplitBatchOnOOM`). `None` never grows back.
+            train without an error before split micro-batches double,
+            unless the measured peak predicts the double does not fit
+            beside what is held now; each grow-back that runs out doubles
+            it (see `SplitBatchOnOOM`). `None` never grows back.
             Defaults to 100.
         split_batch_norm: bool. Whether a model whose `BatchNormalization`
             trains is split all the same (see `SplitBatchOnOOM`).
