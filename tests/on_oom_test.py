@@ -1242,7 +1242,7 @@ def _above(rows):
     return (60 + rows / 4) * _MIB
 
 
-class MicroBatchSizeTest(tf.test.TestCase):
+class MicroBatchSizeTest(parameterized.TestCase, tf.test.TestCase):
     """The counter's decisions, from measurements given to it."""
 
     def test_halves_without_statistics(self):
@@ -1324,6 +1324,30 @@ class MicroBatchSizeTest(tf.test.TestCase):
         self.assertEqual(size.grow_back_rows(100 * _MIB), 512)
         size.grew_back(512, 512)
         self.assertEqual(size.rows_for(512), 512)
+
+    @parameterized.parameters(100 * _MIB, None)
+    def test_a_size_that_keeps_running_out_is_tried_ever_more_rarely(
+        self, in_use
+    ):
+        # Batches of 512 run out at every step but a grow-back's (memory
+        # that something else holds between them).
+        size = MicroBatchSize(
+            2, limit_bytes=None if in_use is None else 1000 * _MIB
+        )
+        if in_use is not None:
+            size.measured(100, 200 * _MIB, 100 * _MIB)  # 1 MiB a row.
+        errors = []
+        for step in range(64):
+            grown = size.grow_back_rows(in_use)
+            if grown is not None:
+                size.grew_back(grown, 512)  # The grow-back's step trains.
+            elif size.rows_for(512) == 512:
+                errors.append(step)
+                size.ran_out(512, in_use)
+            size.trained()
+        # The first error; then one at the step after each grow-back,
+        # which come after 2, 4, 8 and 16 clean steps.
+        self.assertEqual(errors, [0, 3, 8, 17, 34])
 
     def test_grows_back_after_clean_steps_when_predicted_to_fit(self):
         size = MicroBatchSize(3, limit_bytes=1000 * _MIB)

@@ -202,6 +202,9 @@ class HeldSteps:
         """
         self.guard.save_small_state()
         self._pieces = self._planned = 0
+        # What ran out, if the attempt does before a micro-batch runs
+        # (the split's sums); `_measured` says which micro-batch did.
+        self._running = min(piece, rows)
         failure = None
         try:
             if piece >= rows:

@@ -18,14 +18,15 @@ are measured:
   from the part that does not (TensorFlow's CPU convolution gradients
   take a workspace of about 30 MiB whatever the rows), so read down from
   it the line under-predicts. A prediction that ran out halves instead.
-  A size that ran out is a fact: nothing at or above it is chosen again
-  while as much memory is held as when it ran out.
+  A size that ran out is a fact: nothing at or above it is chosen after
+  an error while as much memory is held as when it ran out.
 - After `grow_back_after` clean steps the size doubles, unless the
-  measurement predicts the double not to fit. A grow-back that runs out
-  doubles the clean steps before the next: what it ran out of may be
-  held by something the statistics do not count (another process on a
-  GPU), so no size is given up for good, and none is retried blindly
-  every `grow_back_after` steps.
+  measurement predicts the double not to fit. A grow-back to a size that
+  ran out beside no more memory than is held now (or with nothing to
+  compare) doubles the clean steps before the next: what it ran out of
+  may be held by something the statistics do not count (another process
+  on a GPU), so no size is given up for good, and none is retried every
+  `grow_back_after` steps.
 """
 
 from __future__ import annotations
@@ -108,8 +109,6 @@ class MicroBatchSize:
         out with `in_use_bytes` in use; `None` when `rows` was the
         floor."""
         self.clean_steps = 0
-        if self.rows is not None and rows > self.rows and self._wait:
-            self._wait *= 2  # A grow-back ran out.
         # A probe is one attempt's first micro-batch: where it (or the
         # attempt) ran out, the next is decided anew, never that probe.
         self._probe = None
@@ -149,6 +148,10 @@ class MicroBatchSize:
         if not self.grow_back_due():
             return None
         larger = 2 * self.rows
+        if self._below_failures(larger, in_use_bytes) < larger:
+            # It ran out beside no more than is held now, or nothing
+            # tells: try, but twice as rarely each time.
+            self._wait *= 2
         fitting = self._fitting_rows(in_use_bytes)
         if fitting is not None and fitting < larger:
             return None

@@ -42,8 +42,9 @@ class SplitBatchOnOOM(keras.callbacks.Callback):
     probe that sizes the rest; each phase and each shape of an example
     (length buckets' batches) has its own size. After `grow_back_after`
     clean steps the micro-batches double, unless the measured peak
-    predicts that the double does not fit beside what is held now; each
-    grow-back that runs out doubles the clean steps before the next.
+    predicts that the double does not fit beside what is held now; a
+    grow-back to a size that ran out beside as much memory doubles the
+    clean steps before the next.
 
     Exactly split: Keras' own `train_step` (and `AccumulatingModel`'s,
     whose window counts a split batch once), on one device or under a

@@ -152,8 +152,9 @@ def fit(
         grow_back_after: int or `None`. How many training steps must
             train without an error before split micro-batches double,
             unless the measured peak predicts the double does not fit
-            beside what is held now; each grow-back that runs out doubles
-            it (see `SplitBatchOnOOM`). `None` never grows back.
+            beside what is held now; a grow-back to a size that ran out
+            beside as much memory doubles it (see `SplitBatchOnOOM`).
+            `None` never grows back.
             Defaults to 100.
         split_batch_norm: bool. Whether a model whose `BatchNormalization`
             trains is split all the same (see `SplitBatchOnOOM`).
@@ -254,13 +255,15 @@ def fit(
     x, y, sample_weight = unpacked(x, y, sample_weight)
     strategy = model.distribute_strategy
     history = fit_history_of(callbacks)
+    # Keras splits off `validation_split` only without `validation_data`.
+    split_off = validation_split if validation_data is None else 0.0
     if batch_size == "auto":
         x, validation_data, batch_size = auto_batch(
             model,
             x,
             y,
             validation_data,
-            validation_split,
+            split_off,
             memory_estimate,
             verbose,
         )
@@ -276,9 +279,9 @@ def fit(
             else tuple(p for p in (vx, vy, vw) if p is not None)
         )
     data = x if y is None else (x, y)
-    samples = samples_of(data, validation_split)
+    samples = samples_of(data, split_off)
     x, keras_batch_size, rows = keras_data(x, batch_size, strategy)
-    if rows is not None and samples is not None:
+    if rows is not None and samples:
         rows = min(rows, samples)  # The largest batch Keras trains.
     trained = model
     if plan is not None:
