@@ -745,14 +745,17 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
         self.assertEqual(history.batch_size, 64)
 
     @parameterized.named_parameters(
-        ("batched_dataset", "batched_dataset", 0.0, 60),
-        ("arrays_less_validation", "arrays", 0.5, 30),
+        ("batched_dataset", "batched_dataset", 0.0, False, 60),
+        ("arrays_less_validation", "arrays", 0.5, False, 30),
+        # Keras splits nothing off when `validation_data` is given.
+        ("arrays_and_validation_data", "arrays", 0.5, True, 60),
     )
     def test_batch_size_is_at_most_the_samples_trained_on(
-        self, kind, validation_split, samples
+        self, kind, validation_split, validation_data, samples
     ):
         x, y = _models.table(60)
         data = _models.data_of_kind(kind, x, y)
+        validation = (x[:8], y[:8]) if validation_data else None
         for batch_size in ("auto", 512):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -761,6 +764,7 @@ class FitTest(parameterized.TestCase, tf.test.TestCase):
                     data,
                     batch_size=batch_size,
                     validation_split=validation_split,
+                    validation_data=validation,
                     verbose=0,
                 )
             self.assertLessEqual(history.batch_size, samples)
