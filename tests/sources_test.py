@@ -31,6 +31,34 @@ class SampleInputsTest(tf.test.TestCase):
         self.assertEqual(first.shape, (1,))
 
 
+class NumSamplesTest(tf.test.TestCase):
+    """The samples of an epoch, read from the pipeline where it tells
+    them: what bounds `batch_size="auto"` and a plan's batch."""
+
+    def test_a_batched_dataset_tells_the_samples_an_epoch_trains(self):
+        cases = [
+            (tf.data.Dataset.range(100).batch(30), 100),
+            # The remainder `drop_remainder` drops is not trained.
+            (tf.data.Dataset.range(100).batch(30, drop_remainder=True), 90),
+            # A `filter` after the batching hides them.
+            (tf.data.Dataset.range(100).batch(30).filter(lambda b: True), None),
+            (tf.data.Dataset.range(100).repeat().batch(30), None),
+        ]
+        for data, samples in cases:
+            source = source_for(
+                (data.map(lambda b: (b, b))), "x", labelled=True
+            )
+            self.assertEqual(source.num_samples, samples, msg=str(data))
+
+    def test_rebatched_batches_keep_their_length(self):
+        data = tf.data.Dataset.range(100).batch(30, drop_remainder=True)
+        source = source_for(data.map(lambda b: (b, b)), "x", labelled=True)
+        rebatched = source.dataset(25)
+        self.assertEqual(int(rebatched.cardinality()), 4)
+        rows = [int(tf.shape(b[0])[0]) for b in rebatched]
+        self.assertEqual(rows, [25, 25, 25, 15])
+
+
 class ResidentBytesTest(tf.test.TestCase):
     """What arrays keep in memory through a run, and what they hold now:
     an estimate's line counts the first, what is held leaves out the

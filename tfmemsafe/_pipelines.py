@@ -89,8 +89,9 @@ def _adds_an_axis(node) -> bool:
 def rows_of_batched(dataset) -> int | None:
     """The samples of a batched dataset, when its pipeline tells them.
 
-    They are the length of what its `batch` batches, if that is known and
-    the batches count matches it (no `filter` after the batching, say).
+    They are the length of what its `batch` batches (less the remainder
+    `drop_remainder` drops), if that is known and the batches count
+    matches it (no `filter` after the batching, say).
     """
     batches = int(dataset.cardinality())
     for node in _nodes(dataset):
@@ -106,9 +107,12 @@ def rows_of_batched(dataset) -> int | None:
         drop = tf.get_static_value(
             _compat.transformation_argument(node, "drop_remainder")
         )
-        if rows < 0 or size is None or drop is None or bool(drop):
+        if rows < 0 or size is None or drop is None:
             return None
-        return rows if math.ceil(rows / int(size)) == batches else None
+        size = int(size)
+        if bool(drop):
+            rows -= rows % size
+        return rows if math.ceil(rows / size) == batches else None
     return None
 
 
