@@ -23,8 +23,8 @@ from absl.testing import parameterized  # noqa: E402
 import tfmemsafe  # noqa: E402
 from tfmemsafe import testing  # noqa: E402
 from tfmemsafe.planning import Candidate  # noqa: E402
+from tfmemsafe.planning import _candidates  # noqa: E402
 from tfmemsafe.planning import _measure  # noqa: E402
-from tfmemsafe.planning import _plan  # noqa: E402
 from tfmemsafe.planning import _workers  # noqa: E402
 
 _ROWS = 1024
@@ -274,13 +274,13 @@ class ChoiceTest(tf.test.TestCase):
         whole = Candidate(1, 512, False, step_seconds=0.104)
         split = Candidate(2, 256, False, step_seconds=0.100)
         recomputed = Candidate(1, 512, True, step_seconds=0.090)
-        self.assertIs(_plan._chosen([whole, split]), whole)  # noqa: SLF001
+        self.assertIs(_candidates.chosen([whole, split]), whole)
         self.assertIs(
-            _plan._chosen([whole, split, recomputed]),  # noqa: SLF001
+            _candidates.chosen([whole, split, recomputed]),
             recomputed,
         )
         # The same measurements, in another order: the same choice.
-        self.assertIs(_plan._chosen([split, whole]), whole)  # noqa: SLF001
+        self.assertIs(_candidates.chosen([split, whole]), whole)
 
     def test_a_candidate_that_ran_out_is_not_chosen(self):
         ran_out = Candidate(1, 512, False, note="ran out of memory")
@@ -288,7 +288,7 @@ class ChoiceTest(tf.test.TestCase):
         self.assertFalse(ran_out.trained)
         self.assertTrue(trained.trained)
         self.assertIs(
-            _plan._chosen([ran_out, trained]),  # noqa: SLF001
+            _candidates.chosen([ran_out, trained]),
             trained,
         )
 
@@ -597,7 +597,7 @@ class AgreementTest(tf.test.TestCase):
         self.assertEqual(
             (agreed[2].step_seconds, agreed[2].measured_peak_bytes), (0.7, 38)
         )
-        self.assertEqual(_plan._chosen(agreed), agreed[2])
+        self.assertEqual(_candidates.chosen(agreed), agreed[2])
 
     def test_more_micro_batches_are_measured_only_where_fewer_did_not(self):
         candidates = [

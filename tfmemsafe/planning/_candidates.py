@@ -13,6 +13,10 @@ from tfmemsafe import memory
 from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._size_planner import SizePlanner
 
+# Step times this close are one speed, on a machine whose load moves
+# them: the simpler candidate is chosen.
+_CLOSE = 0.05
+
 # Candidates predicted to fit, per model: the fewest micro-batches, and
 # twice as many, for where the first does not train within the limit.
 FITTING_PER_MODEL = 2
@@ -73,3 +77,30 @@ def predicted(
         )
         micro = micro // 2 if micro > 1 and split else 0
     return candidates
+
+
+def chosen(candidates) -> Candidate:
+    """The first measured candidate (the simplest: no recomputation,
+    then fewer micro-batches) within `_CLOSE` of the fastest; without one,
+    the one predicted to need least memory (or the last considered)."""
+    trained = [c for c in candidates if c.trained]
+    if trained:
+        fastest = min(c.step_seconds for c in trained)
+        return next(
+            c
+            for c in _simplest_first(trained)
+            if c.step_seconds <= fastest * (1 + _CLOSE)
+        )
+    predicted = [
+        c
+        for c in candidates
+        if c.predicted_peak_bytes is not None
+        and not c.note.startswith("failed")
+    ]
+    if predicted:
+        return min(predicted, key=lambda c: c.predicted_peak_bytes)
+    return candidates[-1]
+
+
+def _simplest_first(candidates) -> list[Candidate]:
+    return sorted(candidates, key=lambda c: (c.checkpointing, c.micro_batches))

@@ -32,17 +32,13 @@ from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sources import source_for
 from tfmemsafe.planning import _workers
+from tfmemsafe.planning._candidates import chosen
 from tfmemsafe.planning._candidates import limit_of
 from tfmemsafe.planning._candidates import predicted
 from tfmemsafe.planning._measure import measure
 from tfmemsafe.planning._measure import measured
-from tfmemsafe.planning._memory_plan import Candidate
 from tfmemsafe.planning._memory_plan import MemoryPlan
 from tfmemsafe.planning._variants import checkpointed
-
-# Step times this close are one speed, on a machine whose load moves
-# them: the simpler candidate is chosen.
-_CLOSE = 0.05
 
 _WHOLE_WITHOUT_RECOMPUTATION = (
     "checkpointing: the whole batch trained without it, and recomputing "
@@ -170,8 +166,9 @@ def plan(
     data = x if y is None else (x, y)
     source = source_for(data, "x", labelled=True, strategy=strategy)
     rows = source.resolve_batch_size(batch_size)
-    if source.num_samples:  # The largest batch `model.fit` trains.
-        rows = min(rows, source.num_samples)
+    samples = source.num_samples
+    if samples:  # The largest batch `model.fit` trains.
+        rows = min(rows, samples)
     split_batch_norm = _checks.boolean("split_batch_norm", split_batch_norm)
     not_tried = [_precision(model)]
     if distribute.is_multi_worker(strategy):
@@ -224,7 +221,7 @@ def plan(
         device=device,
         limit_bytes=limit,
         candidates=candidates,
-        chosen=_chosen(candidates),
+        chosen=chosen(candidates),
         not_tried=not_tried,
         seconds=time.perf_counter() - started,
         split_batch_norm=split_batch_norm,
@@ -374,30 +371,3 @@ def _precision(model) -> str:
         f"'{model.dtype_policy.name}' (tfmemsafe.configure chooses mixed "
         "precision at import where the GPU computes faster in it)"
     )
-
-
-def _chosen(candidates) -> Candidate:
-    """The first measured candidate (the simplest: no recomputation,
-    then fewer micro-batches) within `_CLOSE` of the fastest; without one,
-    the one predicted to need least memory (or the last considered)."""
-    trained = [c for c in candidates if c.trained]
-    if trained:
-        fastest = min(c.step_seconds for c in trained)
-        return next(
-            c
-            for c in _simplest_first(trained)
-            if c.step_seconds <= fastest * (1 + _CLOSE)
-        )
-    predicted = [
-        c
-        for c in candidates
-        if c.predicted_peak_bytes is not None
-        and not c.note.startswith("failed")
-    ]
-    if predicted:
-        return min(predicted, key=lambda c: c.predicted_peak_bytes)
-    return candidates[-1]
-
-
-def _simplest_first(candidates) -> list[Candidate]:
-    return sorted(candidates, key=lambda c: (c.checkpointing, c.micro_batches))
