@@ -938,10 +938,12 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
     def test_targets_beside_a_dataset_are_refused_naming_y(self):
         x, y = _models.table(8)
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-        with self.assertRaisesRegex(
-            ValueError, r"^`y` must not be passed when `x` is a tf.data"
-        ):
-            tfmemsafe.fit(_models.dense_model(), data, y, verbose=0)
+        model = _models.dense_model()
+        for run in (tfmemsafe.fit, tfmemsafe.evaluate):
+            with self.assertRaisesRegex(
+                ValueError, r"^`y` must not be passed when `x` is a tf.data"
+            ):
+                run(model, data, y, verbose=0)
 
     def test_lists_of_numbers_are_refused_naming_their_argument(self):
         x, y = _models.table(8)

@@ -23,6 +23,7 @@ from tfmemsafe import _pipelines
 from tfmemsafe import distribute
 from tfmemsafe._per_step_variables import without_per_step_variables
 from tfmemsafe._sources import DEFAULT_BATCH_SIZE
+from tfmemsafe._sources import source_for
 from tfmemsafe.errors import OutOfMemoryError
 
 
@@ -37,6 +38,26 @@ def is_iterable_only(x) -> bool:
             collections.abc.Iterator,
         ),
     )
+
+
+def check_x_and_y(x, y) -> None:
+    """Refuses `x` or `y` of no kind Keras or tfmemsafe takes, and `y`
+    beside an `x` that brings its own targets.
+
+    Raises:
+        TypeError: naming the argument of no kind.
+        ValueError: for a `y` beside a dataset, generator or callable.
+    """
+    check_kind(x, "x")
+    check_kind(y, "y")
+    if y is not None and (
+        isinstance(x, tf.data.Dataset) or is_iterable_only(x) or callable(x)
+    ):
+        raise ValueError(
+            "`y` must not be passed when `x` is a tf.data.Dataset, a "
+            "PyDataset, a generator or a callable: the targets come with "
+            f"`x`. Received: x of type {type(x).__name__} and y"
+        )
 
 
 def check_kind(data, argument: str) -> None:
@@ -129,10 +150,7 @@ def samples_of(data, validation_split: float = 0.0) -> int | None:
     `validation_split` of them, as Keras splits), a dataset's by its
     pipeline; else `None`."""
     if isinstance(data, tf.data.Dataset):
-        if _pipelines.batching_of(data)[0]:
-            return _pipelines.rows_of_batched(data)
-        samples = int(data.cardinality())
-        return samples if samples >= 0 else None
+        return source_for(data, "x", labelled=False).num_samples
     if is_iterable_only(data) or callable(data):
         return None
     shape = getattr(keras.tree.flatten(data)[0], "shape", None)

@@ -11,6 +11,7 @@ import keras
 from tfmemsafe import _checks
 from tfmemsafe._keras_data import chained_cause
 from tfmemsafe._keras_data import check_kind
+from tfmemsafe._keras_data import check_x_and_y
 from tfmemsafe._keras_data import keras_data
 from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sample_batch import without_sample_batch
@@ -78,8 +79,7 @@ def evaluate(
     _checks.compiled_model(model, "evaluate")
     _checks.boolean("memory_estimate", memory_estimate)
     split = _split_for(batch_size, min_batch_size, max_retries)
-    check_kind(x, "x")
-    check_kind(y, "y")
+    check_x_and_y(x, y)
     x, y, sample_weight = unpacked(x, y, sample_weight)
     x, batch_size, _ = keras_data(x, batch_size, model.distribute_strategy)
     # Without the batch Keras reads and drops under a strategy: see

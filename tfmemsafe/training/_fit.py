@@ -20,6 +20,7 @@ from tfmemsafe import planning
 from tfmemsafe import recovery
 from tfmemsafe._keras_data import chained_cause
 from tfmemsafe._keras_data import check_kind
+from tfmemsafe._keras_data import check_x_and_y
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import keras_data
 from tfmemsafe._keras_data import samples_of
@@ -241,16 +242,7 @@ def fit(
         min_micro_batch_size=min_batch_size,
         max_retries=max_retries,
     )
-    check_kind(x, "x")
-    check_kind(y, "y")
-    if y is not None and (
-        isinstance(x, tf.data.Dataset) or is_iterable_only(x) or callable(x)
-    ):
-        raise ValueError(
-            "`y` must not be passed when `x` is a tf.data.Dataset, a "
-            "PyDataset, a generator or a callable: the targets come with "
-            f"`x`. Received: x of type {type(x).__name__} and y"
-        )
+    check_x_and_y(x, y)
     check_kind(validation_data, "validation_data")
     x, y, sample_weight = unpacked(x, y, sample_weight)
     strategy = model.distribute_strategy
