@@ -53,35 +53,30 @@ class GradientAccumulator:
 
     Example:
 
-    A GAN with one accumulator per network. Deriving from
-    `AccumulatingModel` (rather than `keras.Model`) makes `fit` flush both
-    at the end of each epoch and lets `model.accumulation_steps` set both.
+    A GAN with one accumulator per network (the whole recipe is in
+    docs/gradient-accumulation.md). Deriving from `AccumulatingModel`
+    (rather than `keras.Model`) makes `fit` flush both at the end of each
+    epoch and lets `model.accumulation_steps` set both.
 
     ```python
     class GAN(tfmemsafe.AccumulatingModel):
         def __init__(self, generator, discriminator, accumulation_steps):
             super().__init__(accumulation_steps=accumulation_steps)
-            self.generator = generator
-            self.discriminator = discriminator
+            self.generator, self.discriminator = generator, discriminator
             self.d_accumulator = tfmemsafe.GradientAccumulator(
                 accumulation_steps, name="discriminator")
             self.g_accumulator = tfmemsafe.GradientAccumulator(
                 accumulation_steps, name="generator")
 
-        def compile(self, d_optimizer, g_optimizer):
-            super().compile()
-            self.d_optimizer = d_optimizer
-            self.g_optimizer = g_optimizer
-
-        def train_step(self, real_images):
-            batch_size = tf.shape(real_images)[0]
+        def train_step(self, real_images):  # Optimizers set in `compile`.
             with tf.GradientTape() as tape:
                 d_loss = self.discriminator_loss(real_images)
                 # Scaled under mixed precision, unchanged otherwise.
                 scaled_loss = self.d_optimizer.scale_loss(d_loss)
             weights = self.discriminator.trainable_weights
             self.d_accumulator.accumulate(
-                tape.gradient(scaled_loss, weights), weights, batch_size)
+                tape.gradient(scaled_loss, weights), weights,
+                tf.shape(real_images)[0])
             self.d_accumulator.apply_if_ready(self.d_optimizer)
             # The same for the generator, with self.g_accumulator.
             return {"d_loss": d_loss}
@@ -313,35 +308,13 @@ class GradientAccumulator:
         # may (as `LossScaleOptimizer._tf_apply` does).
         return context.merge_call(
             functools.partial(
-                self._cross_replica_window,
+                window_lib.apply_when_ready,
+                window=self._window,
                 optimizer=optimizer,
-                by_size=by_size,
+                skipped_windows=self._skipped_windows,
+                update_size=self.update_size if by_size else None,
             ),
             args=(ready,),
-        )
-
-    def _cross_replica_window(self, strategy, ready, optimizer, by_size):
-        """All cross-replica work of a window, if `ready`.
-
-        Every replica counts the same micro-batches, so `ready` is taken
-        from the first. For a window closed by size, `ready` is each
-        replica's size, summed here.
-        """
-        if by_size:
-            size = strategy.reduce(tf.distribute.ReduceOp.SUM, ready, axis=None)
-            ready = tf.greater_equal(size, float(self.update_size))
-        else:
-            ready = strategy.experimental_local_results(ready)[0]
-        return tf.cond(
-            ready,
-            functools.partial(
-                window_lib.apply_across_replicas,
-                strategy,
-                self._window,
-                optimizer,
-                self._skipped_windows,
-            ),
-            lambda: tf.constant(False),
         )
 
 

@@ -61,9 +61,8 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
     padded tokens (a micro-batch of `b` samples of length `l`, the first
     input's axis 1, counts `b * l`, as fairseq's `--max-tokens` counts
     them). Either way the update is the sample-weighted mean of the
-    window, and an out-of-memory error that halves the batch under
-    `tfmemsafe.fit` changes nothing else: the window still closes at the
-    same size.
+    window, and a batch that `tfmemsafe.SplitBatchOnOOM` trains as
+    micro-batches counts once: the window still closes at the same size.
 
     Args:
         accumulation_steps: int. Micro-batches per optimizer update.
@@ -187,52 +186,14 @@ class AccumulatingModel(MultiWorkerSupport, keras.Model):
             self._accumulator.accumulate(
                 gradients,
                 variables,
-                self._sample_count(batch_size, sample_weight),
-                size=self._size(x, batch_size),
+                _sample_count(self.loss, batch_size, sample_weight),
+                size=_size(self._update_unit, x, batch_size),
             )
             self._accumulator.apply_if_ready(self.optimizer)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             logs["skipped_windows"] = self._accumulator.skipped_windows
         return logs
-
-    def _sample_count(self, batch_size, sample_weight):
-        """A micro-batch's weight: what the loss divides its sum by."""
-        # `compile`'s own losses; a name ("mse") averages, as Keras' do.
-        losses = tf.nest.flatten(self.loss) if self.loss is not None else []
-        reductions = {
-            getattr(loss, "reduction", "sum_over_batch_size")
-            for loss in losses
-            if loss is not None
-        }
-        if "sum" in reductions:
-            logging.warning(
-                "A loss with reduction='sum' is not an average, so an "
-                "accumulated window is not the same update as one large "
-                "batch; use a reduction that averages (the default)."
-            )
-        if (
-            reductions == {"mean_with_sample_weight"}
-            and sample_weight is not None
-            and not tf.nest.is_nested(sample_weight)
-        ):
-            return tf.reduce_sum(tf.cast(sample_weight, tf.float32))
-        return batch_size
-
-    def _size(self, x, batch_size):
-        """What a micro-batch adds to its window's size: its samples, or
-        its padded tokens (`tokens_per_update`)."""
-        if self._update_unit != "tokens":
-            return batch_size
-        first = _first_tensor(x)
-        if first.shape.rank is None or first.shape.rank < 2:
-            raise ValueError(
-                "`tokens_per_update` counts a micro-batch's samples times "
-                "its length, the first input's axis 1, so that input needs "
-                "one; use `samples_per_update` otherwise. Received: a "
-                f"first input of shape {first.shape}"
-            )
-        return batch_size * tf.shape(first)[1]
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -353,6 +314,47 @@ def _update_size(accumulation_steps, samples_per_update, tokens_per_update):
     if tokens_per_update is not None:
         return "tokens", _checks.integer("tokens_per_update", tokens_per_update)
     return None, None
+
+
+def _sample_count(loss, batch_size, sample_weight):
+    """A micro-batch's weight: what `loss` (`compile`'s) divides its sum
+    by."""
+    # A name ("mse") averages, as Keras' own losses do.
+    losses = tf.nest.flatten(loss) if loss is not None else []
+    reductions = {
+        getattr(one, "reduction", "sum_over_batch_size")
+        for one in losses
+        if one is not None
+    }
+    if "sum" in reductions:
+        logging.warning(
+            "A loss with reduction='sum' is not an average, so an "
+            "accumulated window is not the same update as one large "
+            "batch; use a reduction that averages (the default)."
+        )
+    if (
+        reductions == {"mean_with_sample_weight"}
+        and sample_weight is not None
+        and not tf.nest.is_nested(sample_weight)
+    ):
+        return tf.reduce_sum(tf.cast(sample_weight, tf.float32))
+    return batch_size
+
+
+def _size(update_unit, x, batch_size):
+    """What a micro-batch adds to its window's size: its samples, or its
+    padded tokens (`update_unit` `"tokens"`)."""
+    if update_unit != "tokens":
+        return batch_size
+    first = _first_tensor(x)
+    if first.shape.rank is None or first.shape.rank < 2:
+        raise ValueError(
+            "`tokens_per_update` counts a micro-batch's samples times "
+            "its length, the first input's axis 1, so that input needs "
+            "one; use `samples_per_update` otherwise. Received: a "
+            f"first input of shape {first.shape}"
+        )
+    return batch_size * tf.shape(first)[1]
 
 
 def _first_tensor(x):

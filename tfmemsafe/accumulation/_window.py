@@ -155,6 +155,32 @@ class Window:
         optimizer.apply(gradients, self.variables)
 
 
+def apply_when_ready(
+    strategy, ready, window, optimizer, skipped_windows, update_size=None
+):
+    """`apply_across_replicas` if `ready`, in a cross-replica context.
+
+    Every replica counts the same micro-batches, so `ready` is taken from
+    the first; given the `update_size` a window closes at, `ready` is
+    each replica's size instead, summed here.
+
+    Returns:
+        A boolean scalar: whether the window was applied.
+    """
+    if update_size is not None:
+        size = strategy.reduce(_SUM, ready, axis=None)
+        ready = tf.greater_equal(size, float(update_size))
+    else:
+        ready = strategy.experimental_local_results(ready)[0]
+    return tf.cond(
+        ready,
+        lambda: apply_across_replicas(
+            strategy, window, optimizer, skipped_windows
+        ),
+        lambda: tf.constant(False),
+    )
+
+
 def apply_across_replicas(strategy, window, optimizer, skipped_windows):
     """Reduces, checks, applies (or skips) and resets one full window.
 
