@@ -13,6 +13,7 @@ holds (`_graph.length_powers`).
 from __future__ import annotations
 
 import itertools
+import math
 
 import keras
 import numpy as np
@@ -252,3 +253,21 @@ def _per_sample_and_added(fixed, low, high) -> tuple[float, float]:
     (first, low_peak), (second, high_peak) = low, high
     per_sample = max(high_peak - fixed, 0.0) / second
     return per_sample, low_peak - fixed - per_sample * first
+
+
+def along_the_logs(points, length: int) -> float:
+    """The bytes at `length` from `points`, two or more `(length, bytes)`
+    pairs sorted by length: interpolated in the logs of both between
+    them, the nearest pair's power carried on beyond them (at most the
+    square past the longest, at most the length itself below the
+    shortest)."""
+    logs = [(math.log(n), math.log(b)) for n, b in points]
+    at = math.log(length)
+    if logs[0][0] <= at <= logs[-1][0]:
+        xs, ys = zip(*logs, strict=True)
+        return math.exp(float(np.interp(at, xs, ys)))
+    (x0, y0), (x1, y1) = logs[:2] if at < logs[0][0] else logs[-2:]
+    power = (y1 - y0) / (x1 - x0)
+    power = min(max(power, 0.0), 1.0 if at < x0 else 2.0)
+    x, y = (x0, y0) if at < x0 else (x1, y1)
+    return math.exp(y + power * (at - x))

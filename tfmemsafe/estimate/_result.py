@@ -11,6 +11,7 @@ import numpy as np
 from tfmemsafe import _checks
 from tfmemsafe import memory
 from tfmemsafe._messages import mib
+from tfmemsafe.estimate._lengths import along_the_logs
 from tfmemsafe.estimate._lengths import polynomial
 
 # `max_batch_size` keeps room for this many more of the step's largest
@@ -166,16 +167,7 @@ class MemoryEstimate:
         if len(points) < 2:
             scale = self.per_sample_bytes_at(length) / self.per_sample_bytes
             return max(self.largest_tensor_bytes * scale, 0.0)
-        logs = [(math.log(n), math.log(b)) for n, b in points]
-        at = math.log(length)
-        if logs[0][0] <= at <= logs[-1][0]:
-            xs, ys = zip(*logs, strict=True)
-            return math.exp(float(np.interp(at, xs, ys)))
-        (x0, y0), (x1, y1) = logs[:2] if at < logs[0][0] else logs[-2:]
-        power = (y1 - y0) / (x1 - x0)
-        power = min(max(power, 0.0), 1.0 if at < x0 else 2.0)
-        x, y = (x0, y0) if at < x0 else (x1, y1)
-        return math.exp(y + power * (at - x))
+        return along_the_logs(points, length)
 
     def _fits(self, batch_size, length, usable) -> bool:
         peak = self.peak_bytes(batch_size, length)
@@ -346,47 +338,53 @@ class MemoryEstimate:
         )
 
     def __str__(self) -> str:
-        limit = (
-            "limit unknown"
-            if self.limit_bytes is None
-            else f"limit {mib(self.limit_bytes)}"
+        return _table(self)
+
+
+def _table(estimate) -> str:
+    """`str(estimate)`: its line, and each measurement beside the
+    prediction."""
+    limit = (
+        "limit unknown"
+        if estimate.limit_bytes is None
+        else f"limit {mib(estimate.limit_bytes)}"
+    )
+    lines = [
+        f"MemoryEstimate on {estimate.device} ({limit})",
+        f"  peak = {mib(estimate.fixed_bytes)} + "
+        f"{estimate.per_sample_bytes / 1024:.1f} KiB x batch",
+        f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
+    ]
+    for size, peak in estimate.measurements:
+        predicted = estimate.peak_bytes(size)
+        lines.append(
+            f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
+            f"{100 * (predicted - peak) / peak:+.1f}%"
         )
-        lines = [
-            f"MemoryEstimate on {self.device} ({limit})",
-            f"  peak = {mib(self.fixed_bytes)} + "
-            f"{self.per_sample_bytes / 1024:.1f} KiB x batch",
-            f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
-        ]
-        for size, peak in self.measurements:
-            predicted = self.peak_bytes(size)
+    if estimate.length_coefficients:
+        c0, c1, c2 = estimate.length_coefficients
+        lines.insert(
+            2,
+            f"  per sample at length l: proportional to {c0:.4g} + "
+            f"{c1:.4g} l + {c2:.4g} l^2 (data's length {estimate.length})",
+        )
+        if any(estimate.length_fixed_coefficients):
+            f0, f1, f2 = estimate.length_fixed_coefficients
+            lines.insert(
+                3,
+                f"  fixed at length l: + {f0:.4g} + {f1:.4g} l + "
+                f"{f2:.4g} l^2 bytes, less that at {estimate.length}",
+            )
+        for size, length, peak in estimate.length_measurements:
+            predicted = estimate.peak_bytes(size, length)
             lines.append(
                 f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
-                f"{100 * (predicted - peak) / peak:+.1f}%"
+                f"{100 * (predicted - peak) / peak:+.1f}%  "
+                f"(length {length})"
             )
-        if self.length_coefficients:
-            c0, c1, c2 = self.length_coefficients
-            lines.insert(
-                2,
-                f"  per sample at length l: proportional to {c0:.4g} + "
-                f"{c1:.4g} l + {c2:.4g} l^2 (data's length {self.length})",
-            )
-            if any(self.length_fixed_coefficients):
-                f0, f1, f2 = self.length_fixed_coefficients
-                lines.insert(
-                    3,
-                    f"  fixed at length l: + {f0:.4g} + {f1:.4g} l + "
-                    f"{f2:.4g} l^2 bytes, less that at {self.length}",
-                )
-            for size, length, peak in self.length_measurements:
-                predicted = self.peak_bytes(size, length)
-                lines.append(
-                    f"  {size:>8}  {mib(peak):>12}  {mib(predicted):>12}  "
-                    f"{100 * (predicted - peak) / peak:+.1f}%  "
-                    f"(length {length})"
-                )
-        if self.limit_bytes is not None:
-            lines.append(
-                f"  largest batch with {100 * memory.HEADROOM:.0f}% headroom: "
-                f"{self.max_batch_size()}"
-            )
-        return "\n".join(lines)
+    if estimate.limit_bytes is not None:
+        lines.append(
+            f"  largest batch with {100 * memory.HEADROOM:.0f}% headroom: "
+            f"{estimate.max_batch_size()}"
+        )
+    return "\n".join(lines)
