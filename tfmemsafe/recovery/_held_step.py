@@ -7,15 +7,14 @@ batch from the iterator (eagerly, as Keras' own step would inside its
 function), trains it with Keras' `train_step`, and when that raises an
 out-of-memory error (`tfmemsafe.is_oom_error`), trains the same batch
 again as micro-batches whose gradients make one update (`SplitBatch`),
-sized by `MicroBatchSize`. Nothing before the batch is replayed, no
-sample is skipped or seen twice, the data pipeline is not touched.
+sized by `MicroBatchSize` and run by `MicroBatches`. Nothing before the
+batch is replayed, no sample is skipped or seen twice, the data pipeline
+is not touched.
 `test` and `predict` do the same for `evaluate` and `predict`. What a
 failed attempt changed is put back by the run's `StepGuard`.
 """
 
 from __future__ import annotations
-
-import math
 
 from tfmemsafe import distribute
 from tfmemsafe import memory
@@ -30,17 +29,14 @@ from tfmemsafe.recovery._exact_split import SplitRefusals
 from tfmemsafe.recovery._exact_split import keras_step
 from tfmemsafe.recovery._held_batches import example_shape
 from tfmemsafe.recovery._held_batches import joined
-from tfmemsafe.recovery._held_batches import joined_replicas
 from tfmemsafe.recovery._held_batches import read
-from tfmemsafe.recovery._held_batches import reduced
 from tfmemsafe.recovery._held_batches import rows_of
 from tfmemsafe.recovery._held_batches import share_rows
-from tfmemsafe.recovery._held_batches import sliced
 from tfmemsafe.recovery._held_batches import without_optionals
 from tfmemsafe.recovery._micro_batch_size import DeviceReadings
 from tfmemsafe.recovery._micro_batch_size import MicroBatchSize
+from tfmemsafe.recovery._micro_batches import MicroBatches
 from tfmemsafe.recovery._model_steps import ModelSteps
-from tfmemsafe.recovery._output_losses import OutputLosses
 from tfmemsafe.recovery._run_record import RunRecord
 from tfmemsafe.recovery._run_record import given_up
 from tfmemsafe.recovery._run_record import in_the_update
@@ -105,10 +101,16 @@ class HeldSteps:
         self.record = RunRecord()
         self._split = SplitBatch(model, guard)
         self._refusals = SplitRefusals(model, split_batch_norm)
-        # The current attempt's micro-batches begun and planned.
-        self._pieces = self._planned = 0
         self._steps = ModelSteps(model)
-        self._losses = OutputLosses(model)
+        self._micro_batches = MicroBatches(
+            model,
+            guard,
+            self._steps,
+            self._split,
+            self.readings,
+            self._agreed_step,
+            self._one_update,
+        )
 
     def close(self) -> None:
         """Frees what the run's splits keep (their gradient sums)."""
@@ -201,28 +203,33 @@ class HeldSteps:
                 cannot be split exactly.
         """
         self.guard.save_small_state()
-        self._pieces = self._planned = 0
-        # What ran out, if the attempt does before a micro-batch runs
-        # (the split's sums); `_measured` says which micro-batch did.
-        self._running = min(piece, rows)
+        attempt = self._micro_batches
         failure = None
         try:
-            if piece >= rows:
-                result = self._measured_step(name, batch, rows)
-            elif name == "train" and self._one_update:
-                result = self._split_train(batch, rows, piece)
-            else:
-                result = self._in_pieces(name, batch, rows, piece)
+            result = attempt.run(
+                name,
+                batch,
+                rows,
+                piece,
+                self._size,
+                lambda err, ran: self._slice_ran_out(name, err, batch, ran),
+            )
         except Exception as err:  # noqa: BLE001 (re-raised unless an OOM)
             ended = isinstance(err, OutOfMemoryError)  # Given up.
             if ended or not memory.is_oom_error(err):
                 raise
             failure = err
-        self.record.settle(max(self._planned, 1))
+        self.record.settle(max(attempt.planned, 1))
         if failure is None:
             return result
-        self._recover(name, failure, batch, self._running)
+        self._recover(name, failure, batch, attempt.running)
         return _RAN_OUT
+
+    def _slice_ran_out(self, name: str, err, batch, rows: int) -> None:
+        """After a slice of `rows` of `batch`, a call of its own, ran out
+        (`MicroBatches`): its event, and the next size."""
+        self.record.settle(max(self._micro_batches.planned, 1))
+        self._recover(name, err, batch, rows)
 
     def _recover(self, name: str, err, batch, piece: int) -> None:
         """After `err` (out of the `except` block that caught it, so that
@@ -232,133 +239,9 @@ class HeldSteps:
         self.guard.restore_small_state()
         self._after_oom(name, err, batch, piece)
 
-    def _split_train(self, batch, rows: int, piece: int):
-        """`batch` as micro-batches of Keras' step and one update."""
-        split = self._split
-        split.begin(batch)
-        try:
-            if self.strategy.num_replicas_in_sync > 1:
-                # Equal pieces of every share; a probe's size sets them.
-                piece = self._agreed_rows(self._size.probe_rows() or piece)
-                # Every worker's rows are the job's most (`agreed_sizes`).
-                pieces = min(
-                    math.ceil(rows / piece),
-                    self._agreed_rows(split.most_pieces()),
-                )
-                self._planned = pieces
-                for index in range(pieces):
-                    bounds = split.uniform_bounds(index, pieces)
-                    largest = max(end - start for start, end in bounds)
-                    self._measured(
-                        "train",
-                        largest,
-                        lambda bounds=bounds: split.on_every_worker(
-                            lambda: split.train_piece(bounds)
-                        ),
-                    )
-                return split.finish()
-            self._each_piece(
-                "train",
-                rows,
-                piece,
-                self._losses.counted(
-                    lambda start, end: split.train_piece([(start, end)])
-                ),
-            )
-            return self._losses.finish(
-                self._steps.static_rows("train", rows), split.finish()
-            )
-        finally:
-            split.close()
-
-    def _in_pieces(self, name: str, batch, rows: int, piece: int):
-        """`batch` through the `name` step in slices, each its own call:
-        metrics add up, predictions are joined, and a model's own
-        `train_step` makes its own update on each slice. A slice that runs
-        out is tried again smaller; those before it stand."""
-        replicas = self.strategy.num_replicas_in_sync
-        reduce = name != "predict" or replicas == 1
-        run = lambda start, end: reduced(  # noqa: E731
-            self.strategy,
-            name,
-            self._steps(name, sliced(batch, start, end, self.strategy)),
-            reduce,
-        )
-        # One evaluation call's per-output losses (a model's own
-        # `train_step` updates on each slice: each is a call).
-        one_call = name == "test" and replicas == 1
-        if one_call:
-            run = self._losses.counted(run)
-        outputs = self._each_piece(name, rows, piece, run, batch=batch)
-        if one_call:
-            static = self._steps.static_rows(name, rows)
-            return self._losses.finish(static, outputs[-1])
-        if name != "predict":
-            return outputs[-1]
-        if reduce:
-            return joined(outputs)
-        return joined_replicas(self.strategy, outputs)
-
-    def _each_piece(
-        self, name: str, rows: int, piece: int, run, batch=None
-    ) -> list:
-        """`run(start, end)` for consecutive micro-batches of `piece` rows
-        of a batch of `rows`, each measured (a probe first, if
-        `MicroBatchSize` asks for one, and then the size it sets); their
-        results. Given the `batch`, a micro-batch that runs out is run
-        again smaller (each is a step of its own); else the error ends
-        the attempt."""
-        size, start, results = self._size, 0, []
-        while start < rows:
-            probe = size.probe_rows()
-            end = min(rows, start + (probe or piece))
-            self._planned = self._pieces + 1
-            self._planned += math.ceil((rows - end) / size.rows_for(rows))
-            if batch is not None:
-                self.guard.save_small_state()
-            failure = None
-            try:
-                result = self._measured(
-                    name, end - start, lambda s=start, e=end: run(s, e)
-                )
-            except Exception as err:  # noqa: BLE001 (re-raised unless OOM)
-                if batch is None or not memory.is_oom_error(err):
-                    raise
-                failure = err
-            if failure is not None:
-                self.record.settle(max(self._planned, 1))
-                self._recover(name, failure, batch, end - start)
-                piece = size.rows_for(rows)
-                continue
-            results.append(result)
-            if probe:
-                piece = size.rows_for(rows)
-            start = end
-        return results
-
-    def _measured_step(self, name: str, batch, rows: int):
-        def run():
-            if self._agreed_step is not None and name == "train":
-                return self._agreed_step(iter([batch]))
-            return reduced(self.strategy, name, self._steps(name, batch))
-
-        return self._measured(name, rows, run)
-
     def _agreed_rows(self, rows: int | None) -> int | None:
         """`rows`, the fewest any worker asked for (see `agreed_rows`)."""
         return agreed_rows(self.strategy, rows) if self._workers else rows
-
-    def _measured(self, name: str, rows: int, run):
-        """`run()`, a (micro-)batch of `rows`: an error in it is charged to
-        `rows`, and its peak above what was in use before goes to
-        `MicroBatchSize`."""
-        before = self.readings.in_use()
-        self.readings.reset()
-        self._pieces += 1
-        self._running = rows
-        result = run()
-        self._size.measured(rows, self.readings.peak(), before)
-        return result
 
     def _after_oom(self, name: str, err, batch, piece: int):
         """Decides the next attempt after `err`, which micro-batches of
