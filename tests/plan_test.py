@@ -305,6 +305,9 @@ class BadInputTest(tf.test.TestCase):
             tfmemsafe.plan(model, x, y, memory_limit=0, verbose=0)
         with self.assertRaisesRegex(ValueError, "`x` must be data"):
             tfmemsafe.plan(model, (batch for batch in [(x, y)]))
+        with self.assertRaisesRegex(ValueError, "^`y` must not be passed"):
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+            tfmemsafe.plan(model, data, y)
         with self.assertRaisesRegex(ValueError, "must be compiled"):
             tfmemsafe.plan(keras.Sequential([keras.layers.Dense(1)]), x, y)
 

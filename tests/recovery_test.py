@@ -940,8 +940,12 @@ class ArgumentTest(parameterized.TestCase, tf.test.TestCase):
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
         model = _models.dense_model()
         for run in (tfmemsafe.fit, tfmemsafe.evaluate):
-            with self.assertRaisesRegex(
-                ValueError, r"^`y` must not be passed when `x` is a tf.data"
+            with (
+                self.subTest(run=run.__name__),
+                self.assertRaisesRegex(
+                    ValueError,
+                    r"^`y` must not be passed when `x` is a tf.data",
+                ),
             ):
                 run(model, data, y, verbose=0)
 

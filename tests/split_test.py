@@ -443,8 +443,9 @@ class MultiWorkerTest(parameterized.TestCase, tf.test.TestCase):
                     split_on_two_workers,
                     2,
                     args=[[_ON_WORKERS[name] for name in names]],
-                    # oneDNN's allocator waits 10 s before it refuses;
-                    # TensorFlow's own refuses at once.
+                    # oneDNN's CPU allocator hands a large request to a BFC
+                    # allocator, which retries for 10 s; TensorFlow's
+                    # default CPU allocator refuses at once.
                     env={
                         "CUDA_VISIBLE_DEVICES": "",
                         "TF_ENABLE_ONEDNN_OPTS": "0",

@@ -2,8 +2,10 @@
 
 `GradientAccumulator` keeps one `Window` per set of variables: the
 gradient sums, sample total and micro-batch count of each replica, and
-`apply_across_replicas`, which reduces them once per window, checks a
-loss-scaled window for overflow, and applies or skips it.
+`apply_when_ready`, which decides in a cross-replica context whether the
+window is full, and `apply_across_replicas`, which reduces the sums once
+per window, checks a loss-scaled window for overflow, and applies or
+skips it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The candidates of a plan and their predicted peaks: `predicted`.
+"""The candidates of a plan and their predicted peaks: `predicted`; the
+choice among them: `chosen`.
 
 For a model (as it is, or with its blocks recomputed), the whole batch and
 halvings of it as micro-batches, each predicted by the memory model (the
@@ -91,14 +92,14 @@ def chosen(candidates) -> Candidate:
             for c in _simplest_first(trained)
             if c.step_seconds <= fastest * (1 + _CLOSE)
         )
-    predicted = [
+    with_prediction = [
         c
         for c in candidates
         if c.predicted_peak_bytes is not None
         and not c.note.startswith("failed")
     ]
-    if predicted:
-        return min(predicted, key=lambda c: c.predicted_peak_bytes)
+    if with_prediction:
+        return min(with_prediction, key=lambda c: c.predicted_peak_bytes)
     return candidates[-1]
 
 

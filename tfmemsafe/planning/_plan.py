@@ -27,7 +27,7 @@ from tfmemsafe import _checks
 from tfmemsafe import distribute
 from tfmemsafe import estimate as estimate_lib
 from tfmemsafe import recovery
-from tfmemsafe._keras_data import check_kind
+from tfmemsafe._keras_data import check_x_and_y
 from tfmemsafe._keras_data import is_iterable_only
 from tfmemsafe._keras_data import unpacked
 from tfmemsafe._sources import source_for
@@ -137,8 +137,9 @@ def plan(
         A `MemoryPlan`.
 
     Raises:
-        TypeError: If `model` or `x` is of the wrong kind.
-        ValueError: If an argument is out of range, or
+        TypeError: If `model`, `x` or `y` is of the wrong kind.
+        ValueError: If an argument is out of range, `y` is given beside
+            a dataset or callable `x` (which brings its own targets), or
             `checkpointing=True` and the model cannot be checkpointed (or
             the job runs on several workers).
         RuntimeError: On a multi-worker job, if another worker's planning
@@ -154,7 +155,7 @@ def plan(
     steps = _checks.integer("steps", steps, 1)
     _checks.one_of("checkpointing", checkpointing, (True, False, "auto"))
     _checks.verbose(verbose)
-    check_kind(x, "x")
+    check_x_and_y(x, y)
     if is_iterable_only(x):
         raise ValueError(
             "`x` must be data tfmemsafe.plan can read ahead: arrays, a "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._held_batches import joined
@@ -41,14 +42,13 @@ class MicroBatches:
     def __init__(
         self, model, guard, steps, split, readings, agreed_step, one_update
     ):
-        self.model = model
         self.guard = guard
         self.strategy = model.distribute_strategy
         self.readings = readings
         self._steps = steps
         self._split = split
         self._agreed_step = agreed_step
-        self._workers = agreed_step is not None
+        self._workers = distribute.is_multi_worker(self.strategy)
         self._one_update = one_update
         self._losses = OutputLosses(model)
         self._size = None  # The attempt's `MicroBatchSize`.
@@ -61,11 +61,14 @@ class MicroBatches:
         """`batch`, of `rows`, through the `name` step in micro-batches of
         `piece` rows, sized and measured by `size` (a `MicroBatchSize`).
 
-        `recover(err, rows)` is called after a slice of evaluation (or of
-        a model's own `train_step`) of `rows` ran out, with what that
-        slice changed put back; the slice then runs again at the size
-        `size` gives. Any other error ends the attempt: the caller puts
-        back what it changed.
+        `recover(err, rows)` is called after a slice of `rows` ran out
+        (of evaluation, prediction, or a model's own `train_step`: each
+        slice a call of its own): it must put back what the slice changed
+        (saved before it), drop `err`'s traceback (which holds the
+        slice's tensors) and set the next size, or raise to end the
+        attempt; the slice then runs again at the size `size` gives. Any
+        other error ends the attempt: the caller puts back what it
+        changed.
         """
         self._size = size
         self.begun = self.planned = 0

@@ -1,7 +1,8 @@
 """One held batch trained as micro-batches of one update: `SplitBatch`.
 
-`HeldSteps` opens a split when a batch ran out of memory (`begin`), trains
-its micro-batches (`train_piece`), and makes the one update (`finish`).
+`MicroBatches` opens a split when a batch ran out of memory (`begin`),
+trains its micro-batches (`train_piece`), and makes the one update
+(`finish`).
 
 The micro-batches go through the model's own `train_step`, so its loss,
 metrics and regularization are Keras' own. While they run, the

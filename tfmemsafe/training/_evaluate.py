@@ -69,6 +69,9 @@ def evaluate(
         What `model.evaluate` returns.
 
     Raises:
+        TypeError: If `x` or `y` is of no kind `model.evaluate` takes.
+        ValueError: If `y` is given beside a dataset, generator or
+            callable `x`, which brings its own targets.
         OutOfMemoryError: If a micro-batch of `min_batch_size` rows runs
             out, or `max_retries` is used up.
 
