@@ -36,6 +36,7 @@ import threading
 import tensorflow as tf
 
 from tfmemsafe import _agreement
+from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.accumulation import accumulation_steps_of
 from tfmemsafe.accumulation import window_closes_by_size
@@ -230,7 +231,10 @@ def agree(strategy, failure: BaseException | None) -> None:
 def agreed_rows(strategy, rows: int | None) -> int | None:
     """The fewest micro-batch rows any worker asked for (`None`, the whole
     batch or none at all, if any asked for `None`), on every worker: each
-    measures its own memory, and all must split alike."""
+    measures its own memory, and all must split alike. On one worker,
+    `rows`."""
+    if not distribute.is_multi_worker(strategy):
+        return rows
     fewest = int(
         _agreement.gathered(strategy, [0 if rows is None else rows])[:, 0].min()
     )

@@ -192,7 +192,7 @@ class HeldSteps:
             if result is not _RAN_OUT:
                 size.trained()
                 return result
-            piece = self._agreed_rows(size.rows_for(rows))
+            piece = agreed_rows(self.strategy, size.rows_for(rows))
 
     def _attempt(self, name: str, batch, rows: int, piece: int):
         """`batch` through the `name` step in micro-batches of `piece`
@@ -239,10 +239,6 @@ class HeldSteps:
         self.guard.restore_small_state()
         self._after_oom(name, err, batch, piece)
 
-    def _agreed_rows(self, rows: int | None) -> int | None:
-        """`rows`, the fewest any worker asked for (see `agreed_rows`)."""
-        return agreed_rows(self.strategy, rows) if self._workers else rows
-
     def _after_oom(self, name: str, err, batch, piece: int):
         """Decides the next attempt after `err`, which micro-batches of
         `piece` rows ran into, or raises."""
@@ -270,7 +266,7 @@ class HeldSteps:
         if one_runs_out is None:
             smaller = self._size.ran_out(piece, in_use)
         # Every worker raises, or none.
-        smaller = self._agreed_rows(smaller)
+        smaller = agreed_rows(self.strategy, smaller)
         if smaller is None:
             cause = one_runs_out or err
             message = one_example(total, cause, self._size.floor)

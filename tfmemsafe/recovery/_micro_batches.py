@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-from tfmemsafe import distribute
 from tfmemsafe import memory
 from tfmemsafe.recovery._agreed_step import agreed_rows
 from tfmemsafe.recovery._held_batches import joined
@@ -48,7 +47,6 @@ class MicroBatches:
         self._steps = steps
         self._split = split
         self._agreed_step = agreed_step
-        self._workers = distribute.is_multi_worker(self.strategy)
         self._one_update = one_update
         self._losses = OutputLosses(model)
         self._size = None  # The attempt's `MicroBatchSize`.
@@ -93,11 +91,13 @@ class MicroBatches:
         try:
             if self.strategy.num_replicas_in_sync > 1:
                 # Equal pieces of every share; a probe's size sets them.
-                piece = self._agreed_rows(self._size.probe_rows() or piece)
+                piece = agreed_rows(
+                    self.strategy, self._size.probe_rows() or piece
+                )
                 # Every worker's rows are the job's most (`agreed_sizes`).
                 pieces = min(
                     math.ceil(rows / piece),
-                    self._agreed_rows(split.most_pieces()),
+                    agreed_rows(self.strategy, split.most_pieces()),
                 )
                 self.planned = pieces
                 for index in range(pieces):
@@ -188,10 +188,6 @@ class MicroBatches:
                 piece = size.rows_for(rows)
             start = end
         return results
-
-    def _agreed_rows(self, rows: int | None) -> int | None:
-        """`rows`, the fewest any worker asked for (see `agreed_rows`)."""
-        return agreed_rows(self.strategy, rows) if self._workers else rows
 
     def _measured(self, name: str, rows: int, run):
         """`run()`, a (micro-)batch of `rows`: an error in it is charged to
