@@ -208,13 +208,18 @@ def step_peaks_of_an_mlp(guarded: bool) -> list:
 class PeakTest(tf.test.TestCase):
     def test_ordered_updates_peak_no_higher_than_model_fit(self):
         # Released together by the barrier, Adam's updates peaked one
-        # more copy of the largest variable (16 MiB here) above
-        # `model.fit`'s steps at some steps; in order, at or below them.
+        # more copy of the largest variable above `model.fit`'s steps at
+        # some steps; in order, no step comes near that. A CPU step's peak
+        # moves by about a MiB from run to run with the inter-op
+        # scheduler, so the bound is half that copy, not the median.
+        largest_mib = _WIDTH**2 * 4 / 2**20
         plain, ordered = _models.side_by_side(
             step_peaks_of_an_mlp, [[False], [True]]
         )
-        self.assertLessEqual(
-            max(ordered), np.median(plain) + 1, msg=(plain, ordered)
+        self.assertLess(
+            max(ordered),
+            np.median(plain) + largest_mib / 2,
+            msg=(plain, ordered),
         )
 
 
