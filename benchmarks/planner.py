@@ -9,7 +9,10 @@ width 128, batch 4096) under a capped CPU allocator, in fresh processes:
   steps after one that traces: the whole batch or k micro-batches
   (`tfmemsafe.SplitBatchOnOOM(micro_batch_size=batch // k)`), with the
   blocks as they are or wrapped in `tfmemsafe.Checkpointed` (the last
-  one kept), each in a process of its own.
+  one kept), each in a process of its own; `--rounds` rounds of every
+  candidate in turn, so that load and the machine's state fall alike on
+  all, each candidate's median rate kept (and "ran out" if it ran out in
+  any round).
 
 It prints one table: each candidate's samples a second by hand, whether
 it ran out of memory (an out-of-memory error the callback split), and
@@ -17,7 +20,7 @@ the plan's choice as a ratio of the best by hand; and the planning time
 against ten epochs of `--epoch_batches` batches at the chosen speed.
 
 Example:
-    python benchmarks/planner.py --cap_mb=300 --batch_size=4096
+    python benchmarks/planner.py --cap_mb=200 --batch_size=4096
 """
 
 import statistics
@@ -29,10 +32,13 @@ from absl import flags
 _WIDTH = flags.DEFINE_integer("width", 128, "Width of every block.")
 _BLOCKS = flags.DEFINE_integer("blocks", 12, "Residual blocks.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 4096, "The batch to train.")
-_CAP_MB = flags.DEFINE_integer("cap_mb", 300, "The CPU allocator's cap.")
+_CAP_MB = flags.DEFINE_integer("cap_mb", 200, "The CPU allocator's cap.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Measured steps per candidate.")
 _MICRO_BATCHES = flags.DEFINE_list(
     "micro_batches", ["1", "2", "4", "8"], "Micro-batch counts by hand."
+)
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 2, "Rounds of every candidate by hand, in turn; the median."
 )
 _EPOCH_BATCHES = flags.DEFINE_integer(
     "epoch_batches", 50, "Batches in an epoch, for the planning's share."
@@ -135,17 +141,34 @@ def main(argv):
 
     shape = (_WIDTH.value, _BLOCKS.value, _BATCH_SIZE.value)
     plan = testing.run_with_memory_cap(planned, _CAP_MB.value, args=shape)
-    rows = []
-    for checkpointed in (False, True):
-        for count in map(int, _MICRO_BATCHES.value):
-            result = testing.run_with_memory_cap(
-                by_hand,
-                _CAP_MB.value,
-                args=(*shape, count, checkpointed, _STEPS.value),
-            )
-            name = f"{count} x {-(-_BATCH_SIZE.value // count)}"
-            name += ", checkpointed" if checkpointed else ""
-            rows.append((name, result))
+    names = []
+    runs = {}
+    for _ in range(_ROUNDS.value):
+        for checkpointed in (False, True):
+            for count in map(int, _MICRO_BATCHES.value):
+                name = f"{count} x {-(-_BATCH_SIZE.value // count)}"
+                name += ", checkpointed" if checkpointed else ""
+                if name not in runs:
+                    names.append(name)
+                runs.setdefault(name, []).append(
+                    testing.run_with_memory_cap(
+                        by_hand,
+                        _CAP_MB.value,
+                        args=(*shape, count, checkpointed, _STEPS.value),
+                    )
+                )
+    rows = [
+        (
+            name,
+            {
+                "samples_per_second": statistics.median(
+                    r["samples_per_second"] for r in runs[name]
+                ),
+                "ran_out": any(r["ran_out"] for r in runs[name]),
+            },
+        )
+        for name in names
+    ]
     print(plan["table"])
     print()
     best = max(r["samples_per_second"] for _, r in rows if not r["ran_out"])
