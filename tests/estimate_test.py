@@ -692,6 +692,32 @@ class EstimateMemoryTest(tf.test.TestCase):
             self.assertNotIn("update_step", vars(model.optimizer))
             self.assertIs(model.train_function, traced)
 
+    def test_the_probes_of_arrays_trace_the_step_once(self):
+        # Their batches' size is unknown to the trace, so one serves all
+        # of the sizes (Keras would trace a second, for any size, at the
+        # second size it saw).
+        _needs_statistics(self)
+        model = _models.dense_model()
+        x, y = _models.table(64)
+        traces = []
+        train_step = model.train_step
+
+        def counted(data):
+            traces.append(data)
+            return train_step(data)
+
+        model.train_step = counted
+        try:
+            estimate = tfmemsafe.estimate_memory(
+                model, (x, y), batch_sizes=[4, 8, 16]
+            )
+        except tfmemsafe.MemoryEstimateError:
+            estimate = None  # A flat line: the traces matter here, not it.
+        if estimate is not None:
+            self.assertEqual([s for s, _ in estimate.measurements], [4, 8, 16])
+        self.assertLen(traces, 1)
+        self.assertIsNone(keras.tree.flatten(traces[0])[0].shape[0])
+
     def test_line_passes_near_every_measurement(self):
         # A fresh process: in a long-lived one, what earlier work left on
         # the allocator can hide a small model's growth (its peaks read

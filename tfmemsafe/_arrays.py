@@ -15,15 +15,27 @@ def num_rows(structure) -> int:
     return int(keras.tree.flatten(structure)[0].shape[0])
 
 
-def cycled(parts, batch_size: int, steps: int, *, one_worker: bool, then=None):
+def cycled(
+    parts,
+    batch_size: int,
+    steps: int,
+    *,
+    one_worker: bool,
+    then=None,
+    known_size: bool = True,
+):
     """`steps` batches of `batch_size` rows of `parts` (a tuple of
     structures of tensors, its `None`s left out) from the first row,
     wrapping round at the end, made as the run's own are (`gathered`, with
-    `then`): the probes' and the trials'."""
+    `then`): the probes' and the trials'. With `known_size=False` the
+    batches' first dimension is unknown to whatever traces them, so that
+    one traced step serves every size."""
     parts = tuple(part for part in parts if part is not None)
     rows = int(keras.tree.flatten(parts[0])[0].shape[0])
     indices = tf.data.Dataset.range(rows).repeat()
-    indices = indices.batch(batch_size, drop_remainder=True).take(steps)
+    # Every batch is full either way: the indices repeat without end.
+    indices = indices.batch(batch_size, drop_remainder=known_size)
+    indices = indices.take(steps)
     return gathered(indices, parts, one_worker=one_worker, then=then)
 
 

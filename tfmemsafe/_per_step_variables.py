@@ -7,7 +7,8 @@ destroyed once the sum is read. It does so where the step's static peak
 is over 80% of the device's memory as Grappler sees it (the GPU's; the
 CPU device's 256 MiB, whatever the allocator's limit) and the sum's
 shape is fully known: batches of a fixed size, as `drop_remainder=True`,
-the memory estimate's probes and `find_max_batch_size`'s trials make.
+the memory estimate's probes at other lengths and `find_max_batch_size`'s
+trials make.
 
 The temporary variable lives in the step's resource container, which for
 an eager call of a `tf.function` is one container for the whole process,

@@ -276,12 +276,18 @@ class Probe:
     def _batches(self, batch_size: int):
         """`PROBE_STEPS` batches gathered from the data's tensors, as the
         run's own are (`_arrays.gathered`): with its parallel gather and
-        final prefetch, whose batches are alive during its steps."""
+        final prefetch, whose batches are alive during its steps.
+
+        Of a size the traced step does not know, as Keras' own batches of
+        arrays are where the last is short: so the first probe's trace
+        serves them all (Keras traces again, for any size, at the second
+        size it sees: the probes cost one trace, not two)."""
         return _arrays.cycled(
             self._arrays,
             batch_size,
             PROBE_STEPS,
             one_worker=self.source.one_worker,
+            known_size=False,
         )
 
     def close(self) -> None:
