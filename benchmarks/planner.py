@@ -31,6 +31,13 @@ from absl import flags
 
 _WIDTH = flags.DEFINE_integer("width", 128, "Width of every block.")
 _BLOCKS = flags.DEFINE_integer("blocks", 12, "Residual blocks.")
+_BATCH_NORM = flags.DEFINE_boolean(
+    "batch_norm",
+    False,
+    "A BatchNormalization in every block: micro-batches would be "
+    "normalized otherwise than the whole batch, so only recomputation "
+    "can make the batch fit.",
+)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 4096, "The batch to train.")
 _CAP_MB = flags.DEFINE_integer("cap_mb", 200, "The CPU allocator's cap.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Measured steps per candidate.")
@@ -45,7 +52,7 @@ _EPOCH_BATCHES = flags.DEFINE_integer(
 )
 
 
-def _model(width, blocks, checkpointed):
+def _model(width, blocks, checkpointed, batch_norm=False):
     import keras
 
     import tfmemsafe
@@ -55,6 +62,8 @@ def _model(width, blocks, checkpointed):
     def block():
         inputs = keras.Input((width,))
         hidden = keras.layers.Dense(4 * width, activation="relu")(inputs)
+        if batch_norm:
+            hidden = keras.layers.BatchNormalization()(hidden)
         hidden = keras.layers.Dense(4 * width, activation="relu")(hidden)
         hidden = keras.layers.Dense(width)(hidden)
         return keras.Model(inputs, keras.layers.Add()([inputs, hidden]))
@@ -83,11 +92,11 @@ def _data(rows):
     )
 
 
-def planned(width, blocks, batch_size):
+def planned(width, blocks, batch_norm, batch_size):
     """The plan, and how long it took."""
     import tfmemsafe
 
-    model = _model(width, blocks, checkpointed=False)
+    model = _model(width, blocks, checkpointed=False, batch_norm=batch_norm)
     x, y = _data(2 * batch_size)
     started = time.perf_counter()
     plan = tfmemsafe.plan(model, x, y, batch_size=batch_size, verbose=0)
@@ -98,13 +107,15 @@ def planned(width, blocks, batch_size):
     }
 
 
-def by_hand(width, blocks, batch_size, micro_batches, checkpointed, steps):
+def by_hand(
+    width, blocks, batch_norm, batch_size, micro_batches, checkpointed, steps
+):
     """Samples a second of one candidate in plain `model.fit`."""
     import keras
 
     import tfmemsafe
 
-    model = _model(width, blocks, checkpointed)
+    model = _model(width, blocks, checkpointed, batch_norm)
     x, y = _data((steps + 1) * batch_size)
     times = []
 
@@ -121,14 +132,18 @@ def by_hand(width, blocks, batch_size, micro_batches, checkpointed, steps):
             None if micro_batches == 1 else -(-batch_size // micro_batches)
         ),
     )
-    model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        shuffle=False,
-        verbose=0,
-        callbacks=[Timer(), split],
-    )
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Timer(), split],
+        )
+    except tfmemsafe.OutOfMemoryError:
+        # Not split: a model whose micro-batches would not be exact.
+        return {"samples_per_second": 0.0, "ran_out": True}
     return {
         "samples_per_second": batch_size / statistics.median(times[1:]),
         "ran_out": bool(split.oom_events),
@@ -139,13 +154,16 @@ def main(argv):
     del argv  # Unused.
     from tfmemsafe import testing
 
-    shape = (_WIDTH.value, _BLOCKS.value, _BATCH_SIZE.value)
+    shape = (_WIDTH.value, _BLOCKS.value, _BATCH_NORM.value, _BATCH_SIZE.value)
+    # Micro-batches of a model with batch normalization are refused.
+    counts = [int(c) for c in _MICRO_BATCHES.value]
+    counts = [1] if _BATCH_NORM.value else counts
     plan = testing.run_with_memory_cap(planned, _CAP_MB.value, args=shape)
     names = []
     runs = {}
     for _ in range(_ROUNDS.value):
         for checkpointed in (False, True):
-            for count in map(int, _MICRO_BATCHES.value):
+            for count in counts:
                 name = f"{count} x {-(-_BATCH_SIZE.value // count)}"
                 name += ", checkpointed" if checkpointed else ""
                 if name not in runs:
@@ -175,9 +193,10 @@ def main(argv):
     print(f"{'candidate (by hand)':26}  {'samples/s':>10}  ran out")
     for name, result in rows:
         mark = "*" if name == plan["chosen"] else " "
+        rate = result["samples_per_second"]
+        rate = f"{rate:10.1f}" if rate else f"{'-':>10}"
         print(
-            f"{mark} {name:24}  {result['samples_per_second']:10.1f}  "
-            f"{'yes' if result['ran_out'] else 'no'}"
+            f"{mark} {name:24}  {rate}  {'yes' if result['ran_out'] else 'no'}"
         )
     chosen = dict(rows).get(plan["chosen"])
     if chosen is not None:

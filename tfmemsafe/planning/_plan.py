@@ -61,7 +61,7 @@ def plan(
     memory_limit: int | None = None,
     checkpointing: bool | str = "auto",
     split_batch_norm: bool = False,
-    steps: int = 5,
+    steps: int = 3,
     verbose="auto",
 ) -> MemoryPlan:
     """Chooses how to train a batch within memory, by measurement.
@@ -129,7 +129,8 @@ def plan(
             cannot be split exactly (that, a loss that does not average
             over the batch, ...), only whole batches are considered, and
             the plan says why. Defaults to `False`.
-        steps: int. Timed steps per measured candidate. Defaults to `5`.
+        steps: int. Timed steps per measured candidate (their median
+            is its step time). Defaults to `3`.
         verbose: `"auto"`, 0 or 1. A progress bar of the planning stages
             with 1 (and `"auto"`). Defaults to `"auto"`.
 
