@@ -45,7 +45,10 @@ _MICRO_BATCHES = flags.DEFINE_list(
     "micro_batches", ["1", "2", "4", "8"], "Micro-batch counts by hand."
 )
 _ROUNDS = flags.DEFINE_integer(
-    "rounds", 2, "Rounds of every candidate by hand, in turn; the median."
+    "rounds",
+    2,
+    "Rounds of every candidate by hand, in turn; the median.",
+    lower_bound=1,
 )
 _EPOCH_BATCHES = flags.DEFINE_integer(
     "epoch_batches", 50, "Batches in an epoch, for the planning's share."
@@ -179,8 +182,14 @@ def main(argv):
         (
             name,
             {
+                # Of the rounds that trained (a refused split trains none).
                 "samples_per_second": statistics.median(
-                    r["samples_per_second"] for r in runs[name]
+                    [
+                        r["samples_per_second"]
+                        for r in runs[name]
+                        if r["samples_per_second"]
+                    ]
+                    or [0.0]
                 ),
                 "ran_out": any(r["ran_out"] for r in runs[name]),
             },
@@ -189,7 +198,10 @@ def main(argv):
     ]
     print(plan["table"])
     print()
-    best = max(r["samples_per_second"] for _, r in rows if not r["ran_out"])
+    best = max(
+        (r["samples_per_second"] for _, r in rows if not r["ran_out"]),
+        default=None,
+    )
     print(f"{'candidate (by hand)':26}  {'samples/s':>10}  ran out")
     for name, result in rows:
         mark = "*" if name == plan["chosen"] else " "
@@ -199,7 +211,7 @@ def main(argv):
             f"{mark} {name:24}  {rate}  {'yes' if result['ran_out'] else 'no'}"
         )
     chosen = dict(rows).get(plan["chosen"])
-    if chosen is not None:
+    if chosen is not None and chosen["samples_per_second"] and best:
         print(
             f"\nchosen {plan['chosen']}: "
             f"{chosen['samples_per_second'] / best:.2f}x the best by hand "

@@ -23,7 +23,7 @@ from tfmemsafe.errors import MemoryEstimateError
 # - or the peak has grown by at least `_GROWN` times the second probe's
 #   (the per-sample part is a real share of it) and the last two slopes
 #   agree to `_SLOPE_AGREEMENT` (the line is straight there);
-# - or after `_MAX_PROBES` (each costs a retrace);
+# - or after `_MAX_PROBES` (each costs a `model.fit` of its steps);
 # - or at the data's size (or the largest the caller asks for), the last
 #   size cut to it where two sizes were probed before.
 # "Free" is the limit less the model's state, the same in every process.
