@@ -55,7 +55,7 @@ _EPOCH_BATCHES = flags.DEFINE_integer(
 )
 
 
-def _model(width, blocks, checkpointed, batch_norm=False):
+def _model(width, blocks, checkpointed, batch_norm):
     import keras
 
     import tfmemsafe
@@ -159,18 +159,16 @@ def main(argv):
 
     shape = (_WIDTH.value, _BLOCKS.value, _BATCH_NORM.value, _BATCH_SIZE.value)
     # Micro-batches of a model with batch normalization are refused.
-    counts = [int(c) for c in _MICRO_BATCHES.value]
-    counts = [1] if _BATCH_NORM.value else counts
+    counts = (
+        [1] if _BATCH_NORM.value else [int(c) for c in _MICRO_BATCHES.value]
+    )
     plan = testing.run_with_memory_cap(planned, _CAP_MB.value, args=shape)
-    names = []
-    runs = {}
+    runs = {}  # Each candidate's results, in the order first run.
     for _ in range(_ROUNDS.value):
         for checkpointed in (False, True):
             for count in counts:
                 name = f"{count} x {-(-_BATCH_SIZE.value // count)}"
                 name += ", checkpointed" if checkpointed else ""
-                if name not in runs:
-                    names.append(name)
                 runs.setdefault(name, []).append(
                     testing.run_with_memory_cap(
                         by_hand,
@@ -194,7 +192,7 @@ def main(argv):
                 "ran_out": any(r["ran_out"] for r in runs[name]),
             },
         )
-        for name in names
+        for name in runs
     ]
     print(plan["table"])
     print()
