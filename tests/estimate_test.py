@@ -737,6 +737,17 @@ class EstimateMemoryTest(tf.test.TestCase):
             result["predicted"], result["peaks"], strict=True
         ):
             self.assertGreaterEqual(predicted, peak)
+        # The spread it states is its probes' own: the most a probe's
+        # highest step read above its median step.
+        self.assertEqual(result["probes"], 3)
+        self.assertAlmostEqual(
+            result["step_spread"], result["readings_spread"], places=9
+        )
+        if result["step_spread"] > 0:
+            self.assertIn(
+                f"up to {100 * result['step_spread']:+.1f}% above it",
+                result["text"],
+            )
 
     def test_no_statistics_raises_an_error_that_says_what_to_do(self):
         result = testing.run_in_subprocess(
@@ -754,14 +765,34 @@ class EstimateMemoryTest(tf.test.TestCase):
 
 
 def _estimate_a_small_mlp():
+    from unittest import mock
+
+    from tfmemsafe.estimate import _probe
+
+    # Every probe's step readings, as the probes read them.
+    readings = []
+    step_peaks = _probe.Probe.step_peaks
+
+    def recorded(self, *args, **kwargs):
+        peaks, error = step_peaks(self, *args, **kwargs)
+        readings.append(peaks["CPU:0"])
+        return peaks, error
+
     # Sizes past the MLP's floor (its Adam update, flat to about 256),
     # where its peaks are noise around the floor.
-    estimate = tfmemsafe.estimate_memory(
-        testing.reference_model("mlp"),
-        testing.random_data((256,)),
-        batch_sizes=[1024, 2048, 4096],
-    )
+    with mock.patch.object(_probe.Probe, "step_peaks", recorded):
+        estimate = tfmemsafe.estimate_memory(
+            testing.reference_model("mlp"),
+            testing.random_data((256,)),
+            batch_sizes=[1024, 2048, 4096],
+        )
     return {
+        "step_spread": estimate.step_spread,
+        "readings_spread": max(
+            max(steps) / int(np.median(steps)) - 1 for steps in readings
+        ),
+        "probes": len(readings),
+        "text": str(estimate),
         "sizes": [size for size, _ in estimate.measurements],
         "peaks": [peak for _, peak in estimate.measurements],
         "predicted": [
@@ -900,6 +931,15 @@ class MemoryEstimateTest(parameterized.TestCase, tf.test.TestCase):
         self.assertIn("peak = 100.0 MiB + 1024.0 KiB x batch", text)
         self.assertIn("      16     116.0 MiB     116.0 MiB  +0.0%", text)
         self.assertIn("largest batch with 10% headroom: 800", text)
+        self.assertNotIn("highest step", text)
+
+    def test_str_states_how_far_a_probe_s_steps_read_above_its_median(self):
+        text = str(_estimate(step_spread=0.125))
+        self.assertIn(
+            "each measured: the median of a probe's steps; the highest "
+            "step peaked up to +12.5% above it",
+            text,
+        )
 
 
 class SecondDimensionTest(parameterized.TestCase, tf.test.TestCase):

@@ -253,6 +253,7 @@ def estimate_source(
         state_bytes=probe.state_bytes,
         largest_tensor_bytes=largest_tensor,
         data_bytes=probe.data_on(device),
+        step_spread=probe.step_spread,
         **second,
     )
     logging.info("tfmemsafe.estimate_memory (%s):\n%s", phase, estimate)

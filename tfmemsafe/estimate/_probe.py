@@ -71,6 +71,10 @@ class Probe:
         guarded: bool. Measure the step with the step guard's barrier.
         progress: A `keras.utils.Progbar` that each probe moves on, or
             `None`.
+
+    Attributes:
+        step_spread: float. The most any probe's highest step peaked above
+            its median step, as a fraction of the median (0 before any).
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class Probe:
         self.devices = devices
         self.phase = phase
         self.limits = limits or {}
+        self.step_spread = 0.0
         if not model.built:  # So that all its variables exist to be saved.
             model(source.sample_inputs(), training=False)
         self.state = ModelState(model)
@@ -194,6 +199,9 @@ class Probe:
                 "reported no peak memory after a training step."
             )
         device = max(medians, key=lambda d: medians[d])
+        if medians[device] > 0:
+            highest = max(peaks[device]) / medians[device] - 1
+            self.step_spread = max(self.step_spread, highest)
         if self.progress is not None:
             self.progress.update(
                 len(self.tried),

@@ -90,6 +90,15 @@ class MemoryEstimate:
         data_bytes: int. The data's tensors (arrays as `fit` converts
             them), in use before every probe and counted in `fixed_bytes`
             on a CPU device; 0 for a dataset or an accelerator.
+        step_spread: float. How far the predictions' readings move: the
+            most that the highest of a probe's steps peaked above its
+            median step, as a fraction of the median, over every probe
+            (0 for an estimate built by hand). Each reading, and so each
+            prediction, is a median step's; a step's peak moves from step
+            to step with the order its independent ops run in (side by
+            side on a CPU's inter-op threads), and about this much more
+            can be in use in some steps. `max_batch_size` keeps its spare
+            tensor and headroom for that; it does not read this.
     """
 
     device: str
@@ -105,6 +114,7 @@ class MemoryEstimate:
     length_fixed_coefficients: tuple[float, ...] = ()
     data_bytes: int = 0
     largest_tensor_lengths: tuple[tuple[int, float], ...] = ()
+    step_spread: float = 0.0
 
     def peak_bytes(self, batch_size: int, length: int | None = None) -> int:
         """The predicted peak of a training step at `batch_size`.
@@ -355,6 +365,12 @@ def _table(estimate) -> str:
         f"{estimate.per_sample_bytes / 1024:.1f} KiB x batch",
         f"  {'batch':>8}  {'measured':>12}  {'predicted':>12}  error",
     ]
+    if estimate.step_spread > 0:
+        lines.insert(
+            2,
+            "  each measured: the median of a probe's steps; the highest "
+            f"step peaked up to {100 * estimate.step_spread:+.1f}% above it",
+        )
     for size, peak in estimate.measurements:
         predicted = estimate.peak_bytes(size)
         lines.append(
