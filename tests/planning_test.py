@@ -98,12 +98,13 @@ def evaluation_under_cap():
 
 
 def search_under_cap():
-    """`find_max_batch_size` on the GRU, whose estimate is repeatable and
-    on the safe side: its steps are sequential and its data (token ids,
-    one batch prefetched) small. The conv net's is not (`recovery_test`'s
-    search on it lets the `fit` after it recover once): under this cap
-    its estimate's size peaks at 92% of the limit up to over it, from
-    process to process."""
+    """`find_max_batch_size` on the GRU, whose estimate's size trains
+    without running out (in some processes with less than the headroom
+    free, and the search goes below it): its steps are sequential and its
+    data (token ids, one batch prefetched) small. The conv net's is not
+    (`recovery_test`'s search on it lets the `fit` after it recover
+    once): under this cap its estimate's size peaks at 92% of the limit
+    up to over it, from process to process."""
     model = testing.reference_model("gru", (None,))
     with _models.absl_messages("INFO") as messages:
         size, failures = _counting_allocator_failures(
